@@ -1,0 +1,358 @@
+"""The run configuration: one typed schema, YAML files composed onto it, then
+`key=value` overrides, then a validation pass. Everything that could make a job fail
+late (unknown keys, wrong types, impossible combinations) fails here instead, with a
+`ConfigError` that names the dotted key, before any Ray work starts.
+
+Composition order (later wins): schema defaults < `configs/base.yaml` < the files named
+in the experiment's `defaults:` list (`{axis: name}` -> `configs/<axis>/<name>.yaml`,
+whose body becomes the `<axis>` section) < the experiment's own keys < overrides.
+`OmegaConf.to_object(cfg.drafter)` gives a `DrafterConfig` for building models.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from dlite.models.config import DrafterConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+# The embedded tiny target, referred to as `target.path: builtin:tiny`.
+TINY_TARGET_DIR = REPO_ROOT / "dlite" / "tiny" / "artifacts" / "target"
+
+STAGES = ["collect", "teacher", "align", "dspark", "evaluate", "publish"]
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message always starts with the offending dotted key."""
+
+
+# ---------------------------------------------------------------- schema
+# Defaults describe the embedded tiny CPU run, so the schema alone is a runnable config.
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    seed: int = 0
+    output_dir: str = "runs"
+    stages: List[str] = field(default_factory=lambda: list(STAGES))
+
+
+@dataclass
+class TargetConfig:
+    name: str = "tiny"
+    path: str = "builtin:tiny"  # "builtin:tiny", a local dir, or a hub id
+    num_layers: Optional[int] = None  # None: read from the target's config.json
+    hidden_size: Optional[int] = None
+    revision: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    train_path: Optional[str] = None  # None: the built-in corpus
+    heldout_path: Optional[str] = None
+    n_train: int = 64
+    n_heldout: int = 8
+    min_chars: int = 16
+    max_chars: int = 200_000
+    max_seq_len: int = 512
+    storage_mode: str = "full"  # "full" (every position) | "anchors" (sampled only)
+    reference: str = "last_hidden"  # "last_hidden" (re-projected) | "topk" log-probs
+    topk: int = 32
+    anchors_per_seq: int = 16
+    length_policy: str = "truncate"  # over max_seq_len: "truncate" | "split" | "drop"
+
+
+@dataclass
+class TrainConfig:
+    steps_teacher: int = 20
+    steps_align: int = 20
+    steps_dspark: int = 20
+    distill_frac: float = 0.5  # share of align steps distilling the teacher
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.01
+    batch_size: int = 4
+    grad_accum: int = 1
+    grad_clip: float = 1.0
+    zero_stage: int = 0
+    precision: str = "fp32"  # "fp32" | "bf16"
+    eval_every: int = 10  # 0: evaluate only at the end
+    skip_teacher: bool = False  # the no-teacher ablation
+    max_failures: int = 0  # Ray Train restarts before giving up
+
+
+@dataclass
+class EvalConfig:
+    n_trajectories: int = 4
+    max_new_tokens: int = 32
+    temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
+    buckets: List[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = None  # None: start Ray locally in-process
+    num_workers: int = 2
+    use_gpu: bool = False
+    gpus_per_worker: int = 0
+    cpus_per_worker: int = 1
+    backend: str = "gloo"  # "gloo" | "nccl"
+    accelerator: str = "cpu"  # "cpu" | "gpu"
+    storage_uri: Optional[str] = None  # None: run.output_dir on local disk
+
+
+@dataclass
+class TrackingConfig:
+    uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: Optional[str] = None  # None: dlite-<target.name>
+    registered_model: Optional[str] = None  # None: dlite-<target.name>
+
+
+@dataclass
+class GateConfig:
+    min_tau: float = 1.0
+    min_speedup: float = 0.0
+    tolerance: float = 0.02  # allowed relative regression against production
+
+
+@dataclass
+class DLiteConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+
+
+# ---------------------------------------------------------------- loading
+
+def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> DictConfig:
+    """Schema <- base.yaml <- experiment `defaults:` <- experiment <- overrides; validated.
+    `path=None` means the schema and base.yaml alone (the tiny default)."""
+    cfg = OmegaConf.structured(DLiteConfig)
+    exp, root = {}, CONFIG_DIR
+    if path is not None:
+        exp_path = _find_file(path)
+        exp, root = _read_yaml(exp_path), _config_root(exp_path)
+    _merge(cfg, _read_yaml(root / "base.yaml"), "base.yaml")
+    for item in exp.pop("defaults", None) or []:
+        if not (isinstance(item, dict) and len(item) == 1):
+            raise ConfigError(f"defaults: entries are {{axis: name}}, got {item!r}")
+        (axis, name), = item.items()
+        layer = root / str(axis) / f"{name}.yaml"
+        if axis not in DLiteConfig.__dataclass_fields__ or not layer.is_file():
+            raise ConfigError(f"defaults.{axis}: no config file {layer}")
+        _merge(cfg, {axis: _read_yaml(layer)}, f"{axis}/{name}.yaml")
+    _merge(cfg, exp, str(path))
+    _merge(cfg, _parse_overrides(overrides), "command line")
+    try:
+        OmegaConf.resolve(cfg)  # interpolations (${oc.env:...}) become plain values
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{e.full_key}: {_first_line(e)}") from None
+    _fill_tracking(cfg)
+    validate(cfg)
+    return cfg
+
+
+def _find_file(path: str) -> Path:
+    # Relative paths work from the working directory or from the repo root, so jobs
+    # run the same under `ray job submit --working-dir .` and from a checkout.
+    for p in (Path(path), REPO_ROOT / path):
+        if p.is_file():
+            return p.resolve()
+    raise ConfigError(f"config: no such file {path!r}")
+
+
+def _config_root(exp_path: Path) -> Path:
+    """The configs dir an experiment composes from: two levels up (configs/experiments/
+    x.yaml), beside it, or a `configs` dir next to it; else the repo's own."""
+    for d in (exp_path.parent.parent, exp_path.parent, exp_path.parent / "configs"):
+        if (d / "base.yaml").is_file():
+            return d
+    return CONFIG_DIR
+
+
+def _read_yaml(p: Path) -> dict:
+    # OmegaConf's loader (not plain PyYAML) so that `1e-4` is a float, not a string.
+    try:
+        data = OmegaConf.load(p)
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"config: cannot read {p}: {e}") from None
+    if not isinstance(data, DictConfig):
+        raise ConfigError(f"config: {p} must hold a mapping, not a list")
+    return OmegaConf.to_container(data)  # interpolations stay strings until resolve
+
+
+def _parse_overrides(overrides: Iterable[str]) -> dict:
+    overrides = list(overrides)
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"{item}: overrides are key=value")
+    return OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
+
+
+def _merge(cfg: DictConfig, data: dict, origin: str) -> None:
+    """Merge `data` into `cfg` in place; errors name the dotted key and its source."""
+    try:
+        cfg.merge_with(data)
+    except OmegaConfBaseException as e:
+        # omegaconf leaves full_key empty when a scalar replaces a whole section, and
+        # sections are the only nested nodes, so the culprit is a top-level key.
+        key = e.full_key or next((k for k, v in data.items() if not isinstance(v, dict)),
+                                 "config")
+        why = "unknown key" if isinstance(e, ConfigKeyError) else _first_line(e)
+        raise ConfigError(f"{key}: {why} (from {origin})") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0]
+
+
+def _fill_tracking(cfg: DictConfig) -> None:
+    # Resolved here, not in the tracker, so the logged config shows what was used.
+    t = cfg.tracking
+    t.uri = t.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    t.experiment = t.experiment or f"dlite-{cfg.target.name}"
+    t.registered_model = t.registered_model or f"dlite-{cfg.target.name}"
+
+
+# ---------------------------------------------------------------- output
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def config_hash(cfg: DictConfig, sections: Optional[Iterable[str]] = None) -> str:
+    """sha256 of the resolved YAML, first 12 hex. `sections` hashes only those top-level
+    keys, so a stage's output location need not move when unrelated settings change."""
+    if sections is not None:
+        cfg = OmegaConf.create({k: cfg[k] for k in sections})
+    return hashlib.sha256(to_yaml(cfg).encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------- validation
+
+ENUMS = {
+    "drafter.arch": {"dlite", "teacher", "dspark"},
+    "drafter.context_injection": {"kv", "add"},
+    "drafter.head": {"gru", "attn", "none"},
+    "data.storage_mode": {"full", "anchors"},
+    "data.reference": {"last_hidden", "topk"},
+    "data.length_policy": {"truncate", "split", "drop"},
+    "train.precision": {"fp32", "bf16"},
+    "cluster.backend": {"gloo", "nccl"},
+    "cluster.accelerator": {"cpu", "gpu"},
+}
+POSITIVE = [
+    "drafter.hidden_size", "drafter.num_layers", "drafter.num_heads",
+    "drafter.num_kv_heads", "drafter.head_dim", "drafter.intermediate_size",
+    "drafter.head_hidden", "drafter.markov_rank", "data.n_train", "data.n_heldout",
+    "data.max_seq_len", "data.topk", "data.anchors_per_seq", "train.steps_align",
+    "train.steps_dspark", "train.lr", "train.batch_size", "train.grad_accum",
+    "eval.n_trajectories", "eval.max_new_tokens", "cluster.num_workers",
+    "cluster.cpus_per_worker",
+]
+NON_NEGATIVE = [
+    "data.min_chars", "train.weight_decay", "train.grad_clip", "train.eval_every",
+    "train.max_failures", "eval.top_k", "cluster.gpus_per_worker", "gate.min_tau",
+    "gate.min_speedup", "gate.tolerance",
+]
+
+
+def _require(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {why}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError (naming the key) for the first impossible setting found."""
+    get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
+    for key, allowed in ENUMS.items():
+        _require(get(key) in allowed, key, f"{get(key)!r} not one of {sorted(allowed)}")
+    for key in POSITIVE:
+        _require(get(key) > 0, key, f"must be > 0, got {get(key)}")
+    for key in NON_NEGATIVE:
+        _require(get(key) >= 0, key, f"must be >= 0, got {get(key)}")
+    for stage in cfg.run.stages:
+        _require(stage in STAGES, "run.stages", f"{stage!r} not one of {STAGES}")
+    _check_drafter(cfg)
+    _check_target_layers(cfg)
+    _check_cluster(cfg.cluster)
+    _check_data_train_eval(cfg)
+
+
+def _check_drafter(cfg: DictConfig) -> None:
+    d = cfg.drafter
+    _require(d.gamma >= 2, "drafter.gamma", f"block size must be >= 2, got {d.gamma}")
+    _require(d.num_heads % d.num_kv_heads == 0, "drafter.num_kv_heads",
+             f"drafter.num_heads={d.num_heads} is not a multiple of {d.num_kv_heads}")
+    _require(cfg.data.max_seq_len > d.gamma, "data.max_seq_len",
+             f"must exceed drafter.gamma={d.gamma} to hold one block")
+
+
+def _target_json(path: str) -> dict:
+    """The target's HF config.json when it is on disk (builtin:tiny or a local dir);
+    empty for a hub id, whose layer count is only known after downloading."""
+    d = TINY_TARGET_DIR if path == "builtin:tiny" else Path(path)
+    if not (d / "config.json").is_file():
+        return {}
+    return json.loads((d / "config.json").read_text())
+
+
+def _check_target_layers(cfg: DictConfig) -> None:
+    ids, key = list(cfg.drafter.target_layer_ids), "drafter.target_layer_ids"
+    _require(len(ids) > 0, key, "must name at least one target layer")
+    _require(len(set(ids)) == len(ids), key, f"duplicated ids in {ids}")
+    _require(min(ids) >= 0, key, f"ids must be >= 0, got {ids}")
+    info = _target_json(cfg.target.path)
+    pairs = (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"))
+    for name, json_key in pairs:
+        ours, theirs = cfg.target[name], info.get(json_key)
+        _require(ours is None or theirs is None or ours == theirs, f"target.{name}",
+                 f"{ours} but {cfg.target.path}/config.json says {theirs}")
+    n = cfg.target.num_layers or info.get("num_hidden_layers")
+    _require(n is None or max(ids) < n, key, f"{ids} outside the target's {n} layers")
+
+
+def _check_cluster(c: DictConfig) -> None:
+    if c.use_gpu:
+        _require(c.accelerator == "gpu", "cluster.use_gpu",
+                 "true on cluster.accelerator=cpu")
+        _require(c.gpus_per_worker > 0, "cluster.gpus_per_worker", "0 with cluster.use_gpu")
+    else:
+        _require(c.accelerator == "cpu", "cluster.accelerator",
+                 "gpu with cluster.use_gpu=false")
+        _require(c.backend != "nccl", "cluster.backend", "nccl needs cluster.use_gpu=true")
+        _require(c.gpus_per_worker == 0, "cluster.gpus_per_worker", "> 0 without use_gpu")
+
+
+def _check_data_train_eval(cfg: DictConfig) -> None:
+    d, t, e = cfg.data, cfg.train, cfg.eval
+    _require(d.min_chars <= d.max_chars, "data.min_chars",
+             f"{d.min_chars} > data.max_chars={d.max_chars}")
+    _require(t.skip_teacher or t.steps_teacher > 0, "train.steps_teacher",
+             f"must be > 0 unless train.skip_teacher, got {t.steps_teacher}")
+    _require(0 <= t.zero_stage <= 3, "train.zero_stage", f"not in 0..3: {t.zero_stage}")
+    _require(0 <= t.distill_frac <= 1, "train.distill_frac",
+             f"not in [0, 1]: {t.distill_frac}")
+    _require(0 <= t.warmup_frac < 1, "train.warmup_frac", f"not in [0, 1): {t.warmup_frac}")
+    _require(all(x >= 0 for x in e.temperatures), "eval.temperatures",
+             f"must be >= 0, got {list(e.temperatures)}")
+    b = list(e.buckets)
+    _require(all(x > 0 for x in b) and b == sorted(set(b)), "eval.buckets",
+             f"must be positive and strictly increasing, got {b}")
+    _require(0 < e.top_p <= 1, "eval.top_p", f"not in (0, 1]: {e.top_p}")

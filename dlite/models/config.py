@@ -1,0 +1,35 @@
+"""The drafter's architecture config: one dataclass shared by DLite, the teacher and
+the DSpark-style baseline, so a student can be built from a teacher's config and the
+run config (`dlite.config`) embeds it unchanged as its `drafter` section."""
+
+from dataclasses import dataclass, field
+from typing import List
+
+
+@dataclass
+class DrafterConfig:
+    # Which architecture: "dlite" (history-free), "teacher" (DLite + history KV),
+    # "dspark" (history KV + logit-space Markov head).
+    arch: str = "dlite"
+    # gamma = number of drafted tokens per round; the block is [anchor, MASK x (gamma-1)].
+    gamma: int = 7
+    # Target layers whose raw decoder-layer outputs form the context feature
+    # (concatenated). Negative ids are not allowed; ids index decoder layers 0..L-1.
+    target_layer_ids: List[int] = field(default_factory=lambda: [0, 1, 2])
+    # Backbone size.
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # How the single context feature enters the backbone: "kv" = one extra key/value
+    # every layer attends to; "add" = added to every slot's input embedding.
+    context_injection: str = "kv"
+    # Sequential head: "gru" (default), "attn" (one causal attention layer), "none".
+    head: str = "gru"
+    head_hidden: int = 256
+    # DSpark-style baseline only: rank of the logit-space Markov head.
+    markov_rank: int = 64
