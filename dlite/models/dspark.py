@@ -1,0 +1,87 @@
+"""DSpark-style baseline (DLITE.md §5): the same backbone with DFlash-style history KV
+injection -- the projected target features of every verified position become
+keys/values of every layer, kept in a drafter-side cache that grows with the context
+-- and a logit-space Markov head of rank r:
+    logits_k = lm_head(norm(h_k)) + W2 · silu(W1 · e(x_{k-1}))   (W1: H_t->r, W2: r->V).
+There is no single context feature: the last position reaches the block as history."""
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dlite.models.common import (Backbone, FrozenVocab, RMSNorm, StaticMemory, as_batched,
+                                 block_layout, init_weights, sample_block)
+from dlite.models.config import DrafterConfig
+from dlite.models.drafter import block_inputs, embed_in
+from dlite.models.teacher import HistoryCache, extend_history, packed_block_mask, packed_history_kv
+
+
+class MarkovHead(nn.Module):
+    """A vocabulary-sized bias from the previous token (W2 zero-init: starts neutral)."""
+
+    def __init__(self, embed_dim: int, rank: int, vocab: int):
+        super().__init__()
+        self.w1 = nn.Linear(embed_dim, rank, bias=False)
+        self.w2 = nn.Linear(rank, vocab, bias=False)
+        self.w2.zero_init = True
+
+    def forward(self, e_prev):
+        return self.w2(torch.nn.functional.silu(self.w1(e_prev)))
+
+
+class DSparkDrafter(nn.Module):
+    """History-KV backbone + Markov head; needs (and keeps) the whole history."""
+
+    needs_history = True
+
+    def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, mask_token_id: int):
+        super().__init__()
+        if cfg.gamma < 2:
+            raise ValueError(f"drafter.gamma must be >= 2, got {cfg.gamma}")
+        self.cfg, self.gamma = cfg, cfg.gamma
+        self.target_layer_ids = list(cfg.target_layer_ids)
+        self.vocab = FrozenVocab(embed_weight, lm_head_weight, mask_token_id)
+        self.target_hidden = embed_weight.shape[1]
+        self.feature_dim = len(cfg.target_layer_ids) * self.target_hidden
+        self.hist_proj = nn.Linear(self.feature_dim, cfg.hidden_size, bias=False)
+        self.hist_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.backbone = Backbone(cfg, self.target_hidden)
+        self.markov = MarkovHead(self.target_hidden, cfg.markov_rank, embed_weight.shape[0])
+        init_weights(self)
+
+    def forward_train(self, batch: dict) -> torch.Tensor:
+        """All blocks of a sequence packed in one forward (keys = [history | blocks]);
+        the Markov head is teacher-forced on [anchor, x*_1..x*_{g-1}]."""
+        batch, single = as_batched(batch)
+        lay = block_layout(batch, self.gamma, self.vocab.mask_token_id)
+        B, A, g = lay["block_ids"].shape
+        mem = StaticMemory(packed_history_kv(self, batch))
+        x = embed_in(self, lay["block_ids"].reshape(B, A * g))
+        h = self.backbone(x, lay["block_pos"].reshape(B, A * g), mem, packed_block_mask(batch, g, 0))
+        logits = self.backbone.logits(h, self.vocab.lm_head_weight).view(B, A, g, -1)
+        logits = logits + self.markov(self.vocab.embed(lay["prev_ids"]))
+        return logits[0] if single else logits
+
+    def new_state(self) -> HistoryCache:
+        w = self.hist_proj.weight
+        return HistoryCache(self.backbone, w.dtype, w.device, reserve=self.gamma)
+
+    @torch.no_grad()
+    def draft(self, state: HistoryCache, new_features: torch.Tensor, anchor_id: int,
+              anchor_pos: int, temperature: float, generator: Optional[torch.Generator] = None):
+        """Extend the cache with the newly verified positions, run the block over the
+        whole cache, then add the Markov bias slot by slot while choosing tokens."""
+        feats = new_features.reshape(-1, self.feature_dim)
+        extend_history(self, state, feats, anchor_pos)
+        x, pos = block_inputs(self, anchor_id, anchor_pos, feats.device)
+        base = self.backbone.logits(self.backbone(x, pos, state), self.vocab.lm_head_weight)[0]
+
+        def step(k, prev, _):
+            return base[k] + self.markov(self.vocab.embed(prev))[0], None
+        tokens, probs = sample_block(step, self.gamma, anchor_id, temperature, feats.device, generator)
+        return tokens, probs, state
+
+    def cache_bytes(self, state: Optional[HistoryCache]) -> int:
+        return 0 if state is None else state.nbytes()

@@ -1,0 +1,63 @@
+"""Benchmarks that write one JSON report each (metric names as in DLITE.md §4):
+
+    python -m jobs.benchmark draft_cost --config configs/experiments/tiny.yaml --out FILE
+
+`draft_cost`: per-round draft time and drafter cache bytes against context length for
+DLite and the DSpark-style baseline, same process, interleaved; plus parameter counts
+of the Qwen3-4B/8B-shaped drafters. More benchmarks join as their stages land.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from jobs.cli import parse_args
+
+
+def _target_dims(cfg) -> tuple[int, int]:
+    """(hidden size, vocab size) of the configured target, from its config.json only."""
+    from transformers import AutoConfig
+    from dlite.target import target_dir
+    tc = AutoConfig.from_pretrained(target_dir(cfg.target))
+    return tc.hidden_size, tc.vocab_size
+
+
+def draft_cost(cfg, args) -> dict:
+    from omegaconf import OmegaConf
+    from dlite.bench.draft_cost import run
+    hidden, vocab = _target_dims(cfg)
+    report = run(OmegaConf.to_object(cfg.drafter), hidden, vocab,
+                 context_lengths=args.context_lengths, rounds=args.rounds, threads=args.threads)
+    report["config"]["run"] = OmegaConf.to_container(cfg, resolve=True)
+    return report
+
+
+BENCHMARKS = {"draft_cost": draft_cost}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"usage: python -m jobs.benchmark {{{','.join(BENCHMARKS)}}} --out FILE [--config FILE] [key=value ...]",
+              file=sys.stderr)
+        return 2
+
+    def extra(p):
+        p.add_argument("--out", required=True, help="JSON report path")
+        p.add_argument("--rounds", type=int, default=20)
+        p.add_argument("--threads", type=int, default=1)
+        p.add_argument("--context-lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+
+    name, (args, cfg) = argv[0], parse_args(argv[1:], extra)
+    if args.dry_run:
+        print(f"[benchmark] would run {name} -> {args.out}")
+        return 0
+    report = BENCHMARKS[name](cfg, args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: report[k] for k in report if k not in ("config", "env")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
