@@ -1,0 +1,95 @@
+"""Acceptance and speed metrics from the round records of `speculative_generate`,
+under the names of DLITE.md §4: `tau`, `accept_at_k`, both per context-length bucket,
+`draft_ms(L)` / `draft_cache_bytes(L)` per bucket, the draft / verify / other time
+split, tokens/s and `speedup_vs_ar`.
+
+A record's `accepted` is the verifier's count a (the drafter's quality), even when EOS
+or the token budget cut the round's output short; speed metrics count only tokens
+actually emitted. Undefined values (no rounds, no time) are None, never NaN, so
+reports stay valid JSON."""
+
+from typing import Callable, Dict, List, Optional, Sequence
+
+DEFAULT_BUCKETS = (1024, 4096, 16384)
+
+
+def _fmt(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def bucket_labels(buckets: Sequence[int] = DEFAULT_BUCKETS) -> List[str]:
+    """Boundaries [1024, 4096, 16384] -> ["<1K", "1K-4K", "4K-16K", ">16K"]."""
+    b = sorted(buckets)
+    if not b:
+        return ["all"]
+    mids = [f"{_fmt(lo)}-{_fmt(hi)}" for lo, hi in zip(b, b[1:])]
+    return [f"<{_fmt(b[0])}"] + mids + [f">{_fmt(b[-1])}"]
+
+
+def bucket_of(context_len: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> str:
+    """Label of the bucket holding `context_len` (a boundary belongs to the bucket above)."""
+    b, labels = sorted(buckets), bucket_labels(buckets)
+    return labels[sum(context_len >= x for x in b)]
+
+
+def tau(rounds: List[dict]) -> Optional[float]:
+    """Mean of (accepted + 1) over rounds; ceiling γ + 1."""
+    return sum(r["accepted"] + 1 for r in rounds) / len(rounds) if rounds else None
+
+
+def accept_at_k(rounds: List[dict], gamma: int) -> List[Optional[float]]:
+    """Conditional acceptance per block slot k = 1..γ:
+    #rounds with a >= k / #rounds with a >= k-1 (None where the denominator is 0)."""
+    out = []
+    for k in range(1, gamma + 1):
+        reached = sum(r["accepted"] >= k - 1 for r in rounds)
+        out.append(sum(r["accepted"] >= k for r in rounds) / reached if reached else None)
+    return out
+
+
+def _mean(rounds: List[dict], key: str) -> Optional[float]:
+    return sum(r[key] for r in rounds) / len(rounds) if rounds else None
+
+
+def by_bucket(rounds: List[dict], fn: Callable[[List[dict]], object],
+              buckets: Sequence[int] = DEFAULT_BUCKETS) -> Dict[str, object]:
+    """fn applied to the rounds of each context-length bucket that has any (label order)."""
+    groups: Dict[str, List[dict]] = {label: [] for label in bucket_labels(buckets)}
+    for r in rounds:
+        groups[bucket_of(r["context_len"], buckets)].append(r)
+    return {label: fn(rs) for label, rs in groups.items() if rs}
+
+
+def time_split(rounds: List[dict]) -> dict:
+    """Mean ms per round of draft / verify / other, and each one's share of the total."""
+    total = sum(r["draft_ms"] + r["verify_ms"] + r["other_ms"] for r in rounds)
+    out = {}
+    for part in ("draft", "verify", "other"):
+        out[f"{part}_ms"] = _mean(rounds, f"{part}_ms")
+        out[f"{part}_frac"] = sum(r[f"{part}_ms"] for r in rounds) / total if total > 0 else None
+    return out
+
+
+def tokens_per_s(n_tokens: int, ms: float) -> Optional[float]:
+    return n_tokens / (ms / 1e3) if ms > 0 else None
+
+
+def speedup_vs_ar(spec_tps: Optional[float], plain_tps: Optional[float]) -> Optional[float]:
+    """Speculative tokens/s over plain tokens/s (same target, prompts and run)."""
+    return spec_tps / plain_tps if spec_tps and plain_tps else None
+
+
+def summarize_rounds(rounds: List[dict], gamma: int,
+                     buckets: Sequence[int] = DEFAULT_BUCKETS) -> dict:
+    """Every round-derived metric, overall and per context-length bucket."""
+    return {
+        "tau": tau(rounds),
+        "accept_at_k": accept_at_k(rounds, gamma),
+        "tau_by_bucket": by_bucket(rounds, tau, buckets),
+        "accept_at_k_by_bucket": by_bucket(rounds, lambda rs: accept_at_k(rs, gamma), buckets),
+        "rounds_by_bucket": by_bucket(rounds, len, buckets),
+        "time_split": time_split(rounds),
+        "draft_ms_by_bucket": by_bucket(rounds, lambda rs: _mean(rs, "draft_ms"), buckets),
+        "draft_cache_bytes_by_bucket": by_bucket(rounds, lambda rs: _mean(rs, "cache_bytes"), buckets),
+        "n_rounds": len(rounds),
+    }

@@ -1,0 +1,224 @@
+"""Speculative decoding over a tiny random-weight Qwen3 target: greedy output is
+token-identical to plain decoding (random, oracle and half-right drafters; EOS and
+token-budget edges), cache cropping is exact, sampled output follows the target's
+distribution (and the same test catches a wrong residual), the oracle reaches tau =
+γ+1, hooks capture exactly the configured layers, and replay grows histories."""
+
+import json
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dlite.spec import decode, verify
+from dlite.spec.capture import LayerCapture
+from dlite.spec.decode import crop_cache, new_cache, plain_generate, speculative_generate, target_forward
+from dlite.spec.metrics import accept_at_k, tau
+from dlite.spec.oracle import RandomDrafter, TargetAsDrafter
+from dlite.spec.replay import evaluate_prompts, iter_tasks
+
+GAMMA = 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny forwards: intra-op threads only contend on a busy 2-core box.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_target(vocab=128, layers=2, init=0.5, seed=0):
+    """A wide initializer spreads the logits, so argmax near-ties (which a 1-token and a
+    block forward could round differently) do not occur."""
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=1024, initializer_range=init, tie_word_embeddings=False)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [77, 21]]
+
+
+class HalfRightDrafter(TargetAsDrafter):
+    """The oracle with one slot per block replaced: a mix of partial acceptances."""
+
+    def draft(self, state, feats, anchor_id, anchor_pos, temperature, generator=None):
+        tokens, probs, state = super().draft(state, feats, anchor_id, anchor_pos, temperature, generator)
+        k = anchor_pos % self.gamma
+        tokens = tokens.clone()
+        tokens[k] = (tokens[k] + 1) % probs.shape[-1]
+        return tokens, probs, state
+
+
+DRAFTERS = {
+    "random": lambda t, p: RandomDrafter(t, GAMMA, target_layer_ids=[0, 1]),
+    "oracle": lambda t, p: TargetAsDrafter(t, p, GAMMA),
+    "half_right": lambda t, p: HalfRightDrafter(t, p, GAMMA),
+}
+
+
+def test_hooks_capture_exactly_the_configured_layers():
+    model = tiny_target(layers=3)
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.inference_mode(), LayerCapture(model, [0, 2]) as cap:
+        assert [len(l._forward_hooks) for l in model.model.layers] == [1, 0, 1]
+        hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+        feats = cap.features()
+        assert feats.shape == (6, 128)
+        assert torch.allclose(feats[:, :64], hs[1][0])
+        # HF's last hidden state is post-norm; the hook sees the raw layer output.
+        assert torch.allclose(model.model.norm(feats[:, 64:]), hs[-1][0], atol=1e-5)
+        cap.last_only = True
+        model(input_ids=ids)
+        assert torch.allclose(cap.features(), feats[-1:])
+        inside = [len(l._forward_hooks) for l in model.model.layers]  # HF may add its own
+    assert [len(l._forward_hooks) for l in model.model.layers] == [n - m for n, m in zip(inside, [1, 0, 1])]
+
+
+def test_cropped_cache_matches_a_fresh_forward(target):
+    prompt, block = torch.tensor(PROMPTS[0]), torch.tensor([9, 10, 11, 12, 13])
+    with torch.inference_mode():
+        cache = new_cache(target)
+        target_forward(target, prompt, 0, cache)
+        target_forward(target, block, len(prompt), cache)
+        crop_cache(cache, len(prompt) + 2)
+        assert cache.get_seq_length() == len(prompt) + 2
+        nxt = target_forward(target, torch.tensor([50]), len(prompt) + 2, cache)[-1]
+        full = torch.cat([prompt, block[:2], torch.tensor([50])])
+        fresh = target_forward(target, full, 0, new_cache(target))[-1]
+    assert torch.allclose(nxt, fresh, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_greedy_is_lossless_and_tau_in_range(target, name):
+    for prompt in PROMPTS:
+        ref, _ = plain_generate(target, prompt, 30)
+        out, rounds = speculative_generate(target, DRAFTERS[name](target, prompt), prompt, 30)
+        assert out == ref
+        assert 1 <= tau(rounds) <= GAMMA + 1
+        first = len(prompt)
+        assert [r["context_len"] for r in rounds[:2]] == [first, first + rounds[0]["accepted"] + 1]
+        if name == "oracle":
+            assert tau(rounds) == GAMMA + 1 and accept_at_k(rounds, GAMMA) == [1.0] * GAMMA
+        if name == "half_right":
+            assert 1 < tau(rounds) < GAMMA + 1
+
+
+def test_a_broken_crop_breaks_losslessness(target, monkeypatch):
+    """The lossless test has teeth: leaving rejected drafts in the cache is caught."""
+    prompt = PROMPTS[0]
+    ref, _ = plain_generate(target, prompt, 30)
+    monkeypatch.setattr(decode, "crop_cache", lambda cache, length: None)
+    out, _ = speculative_generate(target, DRAFTERS["random"](target, prompt), prompt, 30)
+    assert out != ref
+
+
+@pytest.mark.parametrize("name", ["random", "oracle"])
+def test_budget_and_eos_edges(target, name):
+    prompt = PROMPTS[1]
+    ref, _ = plain_generate(target, prompt, 24)
+    for n in (0, 1, 2, GAMMA, GAMMA + 1, GAMMA + 2, 24):
+        out, _ = speculative_generate(target, DRAFTERS[name](target, prompt), prompt, n)
+        assert out == ref[:n]
+    for k in (0, 2, 6, 11):  # EOS as the prefill token, inside and at the end of blocks
+        eos = ref[k]
+        plain, _ = plain_generate(target, prompt, 24, eos_ids=[eos])
+        out, _ = speculative_generate(target, DRAFTERS[name](target, prompt), prompt, 24, eos_ids=[eos])
+        assert out == plain == ref[: ref.index(eos) + 1]
+
+
+def _exact_two_tokens(model, prompt, vocab):
+    """Exact target distributions: joint of tokens 1-2, marginal of token 3 (T=1)."""
+    with torch.inference_mode():
+        p1 = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), -1)
+        ctx = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        logits = model(input_ids=ctx).logits.float()
+        p2 = torch.softmax(logits[::vocab, -2], -1)         # [a, b] = p(b | a)
+        p3 = torch.softmax(logits[:, -1], -1).view(vocab, vocab, vocab)
+    joint = p1[:, None] * p2
+    return joint.flatten(), (joint[..., None] * p3).sum((0, 1))
+
+
+def _sampled_counts(model, drafter, prompt, vocab, n):
+    g = torch.Generator().manual_seed(123)
+    joint, third = torch.zeros(vocab * vocab), torch.zeros(vocab)
+    for _ in range(n):
+        out, _ = speculative_generate(model, drafter, prompt, 3, temperature=1.0, generator=g)
+        joint[out[0] * vocab + out[1]] += 1
+        third[out[2]] += 1
+    return joint, third
+
+
+def _pvalue(counts, probs):
+    """Chi-square with cells of expected count < 5 pooled (so the test stays valid)."""
+    exp = probs * counts.sum()
+    small = exp < 5
+    obs_c, exp_c = counts[~small].tolist(), exp[~small].tolist()
+    if small.any():
+        obs_c.append(float(counts[small].sum()))
+        exp_c.append(float(exp[small].sum()))
+    exp_c = [e * sum(obs_c) / sum(exp_c) for e in exp_c]  # renormalise float drift
+    return chisquare(obs_c, exp_c).pvalue
+
+
+@pytest.mark.parametrize("wrong_residual", [False, True])
+def test_sampling_follows_the_target_distribution(monkeypatch, wrong_residual):
+    vocab, prompt = 8, [1, 5, 2, 7]
+    model = tiny_target(vocab=vocab, init=0.1, seed=3)
+    drafter = RandomDrafter(model, gamma=2, target_layer_ids=[1], seed=1, scale=4.0)
+    if wrong_residual:
+        monkeypatch.setattr(verify, "residual_distribution", lambda p, q: q)
+    joint, third = _sampled_counts(model, drafter, prompt, vocab, 400)
+    exact_joint, exact_third = _exact_two_tokens(model, prompt, vocab)
+    pvals = (_pvalue(joint, exact_joint), _pvalue(third, exact_third))
+    if wrong_residual:
+        assert min(pvals) < 1e-6
+    else:
+        assert min(pvals) > 1e-3
+
+
+TRAJ = {"id": "t1", "tools": [{"type": "function", "function": {"name": "read", "parameters": {}}}],
+        "messages": [
+            {"role": "system", "content": "You fix bugs."},
+            {"role": "user", "content": "Fix foo."},
+            {"role": "assistant", "content": "Reading.", "tool_calls": [
+                {"type": "function", "function": {"name": "read", "arguments": "{\"path\": \"a.py\"}"}}]},
+            {"role": "tool", "content": "def foo(): return 1"},
+            {"role": "assistant", "content": "Done."}]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from dlite.tiny.tokenizer import train_tokenizer
+    texts = [m["content"] for m in TRAJ["messages"]] + ["assistant user system tool_call read"]
+    return train_tokenizer(texts, 300, tmp_path_factory.mktemp("tok"))
+
+
+def test_replay_grows_histories_and_reports(tokenizer):
+    tasks = list(iter_tasks(tokenizer, TRAJ))
+    texts = [tokenizer.decode(t["prompt_ids"]) for t in tasks]
+    assert [t["turn"] for t in tasks] == [0, 1] and len(tasks[0]["prompt_ids"]) < len(tasks[1]["prompt_ids"])
+    assert texts[1].startswith(texts[0]) and "def foo(): return 1" in texts[1] and "Reading." in texts[1]
+    assert texts[1].endswith("<|im_start|>assistant\n") and "# Tools" in texts[0]
+
+    model = tiny_target(vocab=len(tokenizer))
+    records = [TRAJ, {"turns": ["Say hi.", "Again."]}]
+    report = evaluate_prompts(model, tokenizer, lambda ids: TargetAsDrafter(model, ids, GAMMA),
+                              records, {"max_new_tokens": 6, "buckets": [16, 64]})
+    for key in ("tau", "accept_at_k", "tau_by_bucket", "accept_at_k_by_bucket", "speedup_vs_ar",
+                "tokens_per_s", "time_split", "lossless"):
+        assert key in report
+    assert report["lossless"] is True and report["tau"] == GAMMA + 1 and report["n_tasks"] == 4
+    turns = [t for t in report["per_task"] if t["id"] is None]
+    assert turns[0]["context_len"] < turns[1]["context_len"]  # 2nd turn holds the 1st reply
+    assert set(report["tau_by_bucket"]) <= {"<16", "16-64", ">64"}
+    json.dumps(report)  # the report is written as JSON as is
