@@ -47,3 +47,21 @@ def fingerprint(target_cfg) -> dict:
 def load(target_cfg, dtype=None):
     """(model, tokenizer) for the config's target, fp32 on CPU unless told otherwise."""
     return tiny.load_target(str(target_dir(target_cfg)), dtype), tiny.load_tokenizer(str(tokenizer_dir(target_cfg)))
+
+
+def mask_token_id(model, tokenizer) -> int:
+    """The frozen unused embedding row drafters use for MASK slots: `<|mask|>` when the
+    tokenizer has it (the tiny target), else the first row past the tokenizer's vocab
+    (Qwen3 pads its embedding to 151936 rows for 151669 tokens)."""
+    tid = tokenizer.convert_tokens_to_ids("<|mask|>")
+    if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
+        return tid
+    if len(tokenizer) < model.config.vocab_size:
+        return len(tokenizer)
+    raise ValueError("target has no unused embedding row for MASK; add a <|mask|> token")
+
+
+def shared_vocab(model, tokenizer) -> tuple:
+    """(embed_weight, lm_head_weight, mask_token_id): what every drafter shares, frozen."""
+    return (model.get_input_embeddings().weight.detach(),
+            model.get_output_embeddings().weight.detach(), mask_token_id(model, tokenizer))

@@ -22,8 +22,8 @@ def _write(path, data):
 def test_tiny_experiment_loads_and_validates():
     cfg = load_config(TINY)
     assert cfg.target.path == "builtin:tiny"
-    assert cfg.drafter.gamma == 7 and cfg.drafter.num_layers == 2
-    assert list(cfg.drafter.target_layer_ids) == [0, 1, 2]
+    assert cfg.drafter.gamma == 7 and cfg.drafter.num_layers == 1
+    assert list(cfg.drafter.target_layer_ids) == [0, 1]
     assert cfg.cluster.num_workers == 2 and cfg.cluster.backend == "gloo"
     assert not cfg.cluster.use_gpu
     assert cfg.tracking.experiment == "dlite-tiny" == cfg.tracking.registered_model
@@ -153,7 +153,7 @@ def test_unknown_key_in_a_file_names_it(tmp_path):
 def test_layer_ids_checked_against_target_config_json(tmp_path, monkeypatch):
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    (target / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
     with pytest.raises(ConfigError, match=r"^drafter\.target_layer_ids"):
         load_config(TINY, [f"target.path={target}"])
     with pytest.raises(ConfigError, match=r"^target\.num_layers"):
@@ -161,4 +161,4 @@ def test_layer_ids_checked_against_target_config_json(tmp_path, monkeypatch):
     monkeypatch.setattr(config, "TINY_TARGET_DIR", target)  # builtin:tiny reads it too
     with pytest.raises(ConfigError, match=r"^drafter\.target_layer_ids"):
         load_config(TINY)
-    assert load_config(TINY, ["drafter.target_layer_ids=[0,1]"])
+    assert load_config(TINY, ["drafter.target_layer_ids=[0]"])

@@ -1,0 +1,112 @@
+"""The typed schema of a run's configuration: one dataclass per section, composed into
+`DLiteConfig`, which `dlite.config` turns into an `OmegaConf.structured` config.
+Defaults describe the embedded tiny CPU run, so the schema alone is a runnable config."""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from dlite.models.config import DrafterConfig
+
+STAGES = ["collect", "teacher", "align", "dspark", "evaluate", "publish"]
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    seed: int = 0
+    output_dir: str = "runs"
+    stages: List[str] = field(default_factory=lambda: list(STAGES))
+
+
+@dataclass
+class TargetConfig:
+    name: str = "tiny"
+    path: str = "builtin:tiny"  # "builtin:tiny", a local dir, or a hub id
+    num_layers: Optional[int] = None  # None: read from the target's config.json
+    hidden_size: Optional[int] = None
+    revision: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    train_path: Optional[str] = None  # None: the built-in corpus
+    heldout_path: Optional[str] = None
+    n_train: int = 64
+    n_heldout: int = 8
+    min_chars: int = 3000  # built-in corpus: rendered length of each trajectory
+    max_chars: int = 14000
+    max_seq_len: int = 512
+    storage_mode: str = "full"  # "full" (every position) | "anchors" (sampled only)
+    reference: str = "last_hidden"  # "last_hidden" (re-projected) | "topk" log-probs
+    topk: int = 32
+    anchors_per_seq: int = 16
+    length_policy: str = "truncate"  # over max_seq_len: "truncate" | "split" | "drop"
+
+
+@dataclass
+class TrainConfig:
+    steps_teacher: int = 20
+    steps_align: int = 20
+    steps_dspark: int = 20
+    distill_frac: float = 0.5  # share of align steps distilling the teacher
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.01
+    batch_size: int = 4
+    grad_accum: int = 1
+    grad_clip: float = 1.0
+    zero_stage: int = 0
+    precision: str = "fp32"  # "fp32" | "bf16"
+    eval_every: int = 10  # 0: evaluate only at the end
+    skip_teacher: bool = False  # the no-teacher ablation
+    max_failures: int = 0  # Ray Train restarts before giving up
+
+
+@dataclass
+class EvalConfig:
+    n_trajectories: int = 4
+    max_new_tokens: int = 32
+    temperatures: List[float] = field(default_factory=lambda: [0.0, 1.0])
+    buckets: List[int] = field(default_factory=lambda: [1024, 4096, 16384])
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    max_turns: Optional[int] = None    # assistant turns replayed per trajectory (None: all)
+    max_context: Optional[int] = None  # longer histories are skipped and counted
+
+
+@dataclass
+class ClusterConfig:
+    address: Optional[str] = None  # None: start Ray locally in-process
+    num_workers: int = 2
+    use_gpu: bool = False
+    gpus_per_worker: int = 0
+    cpus_per_worker: int = 1
+    backend: str = "gloo"  # "gloo" | "nccl"
+    accelerator: str = "cpu"  # "cpu" | "gpu"
+    storage_uri: Optional[str] = None  # None: run.output_dir on local disk
+
+
+@dataclass
+class TrackingConfig:
+    uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: Optional[str] = None  # None: dlite-<target.name>
+    registered_model: Optional[str] = None  # None: dlite-<target.name>
+
+
+@dataclass
+class GateConfig:
+    min_tau: float = 1.0
+    min_speedup: float = 0.0
+    tolerance: float = 0.02  # allowed relative regression against production
+
+
+@dataclass
+class DLiteConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    gate: GateConfig = field(default_factory=GateConfig)

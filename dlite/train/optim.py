@@ -1,0 +1,58 @@
+"""Optimiser pieces every engine shares: AdamW over the trainable parameters only (the
+frozen target embedding/lm_head are buffers and never reach it), linear warm-up then
+cosine decay, and the plain single-process engine used for debugging and tests."""
+
+import math
+
+import torch
+
+
+def lr_at(step: int, total: int, lr: float, warmup_frac: float, floor: float = 0.1) -> float:
+    """Warm-up over `warmup_frac` of the steps, then cosine from lr down to floor*lr."""
+    warm = max(1, round(total * warmup_frac))
+    if step < warm:
+        return lr * (step + 1) / warm
+    prog = min(1.0, (step - warm) / max(1, total - warm))
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+def adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+
+class PlainEngine:
+    """Single-process torch: accumulate `grad_accum` micro-batches, clip, step. Same
+    surface as the DeepSpeed engine (`backward`, `step`, `set_lr`, `module`)."""
+
+    def __init__(self, model, lr: float, weight_decay: float, grad_clip: float, grad_accum: int = 1):
+        self.module, self.grad_clip, self.grad_accum = model, grad_clip, grad_accum
+        self.optimizer = adamw(model, lr, weight_decay)
+        self._micro = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.grad_accum).backward()
+        self._micro += 1
+
+    def step(self) -> bool:
+        """Apply the update once `grad_accum` micro-batches are in; True when it did."""
+        if self._micro < self.grad_accum:
+            return False
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.requires_grad],
+                                           self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
+        return True
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def state_dict(self) -> dict:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.module.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
