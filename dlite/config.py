@@ -158,7 +158,8 @@ POSITIVE = [
     "data.max_seq_len", "data.topk", "data.anchors_per_seq", "train.steps_align",
     "train.steps_dspark", "train.lr", "train.batch_size", "train.grad_accum",
     "eval.n_trajectories", "eval.max_new_tokens", "cluster.num_workers",
-    "cluster.cpus_per_worker",
+    "cluster.cpus_per_worker", "data.regen_max_new_tokens", "data.records_per_shard",
+    "data.batch_tokens",
 ]
 NON_NEGATIVE = [
     "data.min_chars", "train.weight_decay", "train.grad_clip", "train.eval_every",
@@ -204,7 +205,10 @@ def _target_json(path: str) -> dict:
     d = TINY_TARGET_DIR if path == "builtin:tiny" else Path(path)
     if not (d / "config.json").is_file():
         return {}
-    return json.loads((d / "config.json").read_text())
+    try:
+        return json.loads((d / "config.json").read_text())
+    except ValueError as e:
+        raise ConfigError(f"target.path: {d / 'config.json'} is not valid JSON ({e})") from None
 
 
 def _check_target_layers(cfg: DictConfig) -> None:

@@ -34,12 +34,16 @@ class DataConfig:
     n_heldout: int = 8
     min_chars: int = 3000  # built-in corpus: rendered length of each trajectory
     max_chars: int = 14000
-    max_seq_len: int = 512
+    max_seq_len: int = 2048  # the tiny corpus's system prompt + tools alone is ~700 tokens
     storage_mode: str = "full"  # "full" (every position) | "anchors" (sampled only)
     reference: str = "last_hidden"  # "last_hidden" (re-projected) | "topk" log-probs
     topk: int = 32
     anchors_per_seq: int = 16
     length_policy: str = "truncate"  # over max_seq_len: "truncate" | "split" | "drop"
+    regenerate: bool = False  # re-generate assistant turns with the target (self-distillation)
+    regen_max_new_tokens: int = 256
+    records_per_shard: int = 64  # record i goes to shard i // records_per_shard (resume)
+    batch_tokens: int = 16384    # token budget of one length-bucketed target forward
 
 
 @dataclass

@@ -1,0 +1,167 @@
+"""The target forward that feature collection runs, and what is kept from it.
+
+Features are the outputs of the configured decoder layers, caught by forward hooks on
+`model.model.layers[i]` (= HF `hidden_states[i + 1]`). We run only the base model
+(`model.model`): never `output_hidden_states=True` (it keeps every layer alive) and never
+full-vocabulary logits for every position. The reference signal is either the post-norm
+final hidden state (`last_hidden`: the base model's output, i.e. `model.model.norm`'s,
+re-projected through the frozen lm_head at training time) or `topk` (ids + log-probs),
+computed from that hidden state through lm_head in chunks and only for the rows stored.
+
+Storage modes: `full` keeps every position (the history-aware teacher needs it);
+`anchors` keeps, per sampled anchor a, the context feature row a-1 and the reference
+rows a..a+gamma-1 (all the DLite student needs).
+
+Stored dtypes: features / ref_hidden / top-k log-probs as float16, top-k ids as int32.
+fp16 (not bf16) because numpy and Parquet have it natively; its range (+-65504) holds
+Qwen3 activations, and a row that overflows is reported (`nonfinite_features`) rather
+than stored. `bare_forward` runs the same batch with nothing captured, so capture
+overhead can be measured as collection throughput over bare throughput."""
+
+import time
+from collections import Counter
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from dlite.data.anchors import reference_positions
+from dlite.spec.capture import decoder_layers
+
+
+class TargetFeatures:
+    """Hooks on `layer_ids` of a HF causal LM; call with a padded batch."""
+
+    def __init__(self, model, layer_ids: Sequence[int]):
+        layers = decoder_layers(model)
+        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+        if bad or not layer_ids:
+            raise ValueError(f"drafter.target_layer_ids {list(layer_ids)}: the target has "
+                             f"{len(layers)} layers")
+        self.model, self.layers, self.layer_ids = model, layers, list(layer_ids)
+        self.lm_head = model.get_output_embeddings()
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def __call__(self, input_ids, attention_mask):
+        """(features [B, L, K*H], final post-norm hidden [B, L, H])."""
+        caught: Dict[int, torch.Tensor] = {}
+
+        def keep(slot):
+            def hook(module, args, output):
+                caught[slot] = output[0] if isinstance(output, (tuple, list)) else output
+            return hook
+        handles = [self.layers[i].register_forward_hook(keep(s))
+                   for s, i in enumerate(self.layer_ids)]
+        try:
+            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask,
+                                   use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        feats = torch.cat([caught[s] for s in range(len(self.layer_ids))], dim=-1)
+        return feats, out.last_hidden_state
+
+    @torch.no_grad()
+    def bare_forward(self, input_ids, attention_mask):
+        """A plain prefill of the same batch (logits of the last position only)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                          logits_to_keep=1).logits
+
+    @torch.no_grad()
+    def topk(self, rows: torch.Tensor, k: int, chunk: int = 1024):
+        """(ids int32 [N, k], log-probs float32 [N, k]) of lm_head(rows), chunk rows at a time
+        so the [chunk, V] logits are the only full-vocabulary tensor alive."""
+        ids, vals = [], []
+        for part in rows.split(chunk):
+            logp = torch.log_softmax(self.lm_head(part).float(), dim=-1)
+            v, i = logp.topk(k, dim=-1)
+            ids.append(i.to(torch.int32))
+            vals.append(v)
+        return torch.cat(ids), torch.cat(vals)
+
+
+def length_buckets(lengths: Sequence[int], token_budget: int) -> List[List[int]]:
+    """Groups of indices, sorted by length, each with (size x longest) <= token_budget (or
+    a single sequence): little padding, bounded activation memory."""
+    groups, cur = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if cur and (len(cur) + 1) * lengths[i] > token_budget:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    return groups + ([cur] if cur else [])
+
+
+def _fp16(t: torch.Tensor) -> np.ndarray:
+    return t.to(torch.float16).cpu().numpy()
+
+
+def _stored(tf: TargetFeatures, feats, final, n: int, anchors, spec: dict) -> dict:
+    """What one sequence keeps, as numpy arrays (see the module docstring)."""
+    if spec["storage_mode"] == "full":
+        f, ref = feats[:n], final[:n]
+    else:
+        a = torch.as_tensor(np.asarray(anchors, dtype=np.int64), device=feats.device)
+        pos = torch.as_tensor(reference_positions(anchors, spec["gamma"], n), device=feats.device)
+        f, ref = feats[a - 1], final[pos]
+    out = {"features": _fp16(f)}
+    if spec["reference"] == "last_hidden":
+        out["ref_hidden"] = _fp16(ref)
+    else:
+        ids, logp = tf.topk(ref.reshape(-1, ref.shape[-1]), spec["topk"])
+        out["topk_ids"] = ids.reshape(*ref.shape[:-1], -1).cpu().numpy()
+        out["topk_logprobs"] = _fp16(logp.reshape(*ref.shape[:-1], -1))
+    finite = all(np.isfinite(v).all() for k, v in out.items() if v.dtype == np.float16)
+    return out if finite else {"error": "nonfinite_features"}
+
+
+def iter_extract(tf: TargetFeatures, seqs: List[dict], spec: dict, token_budget: int,
+                 pad_id: int) -> Iterator[Tuple[List[int], List[dict], float]]:
+    """Per length bucket: (indices into `seqs`, stored arrays of those sequences, seconds
+    in the target forward). `seqs`: {"input_ids", "anchors"}; `spec`: storage_mode,
+    reference, topk, gamma. One bucket's arrays are alive at a time."""
+    for group in length_buckets([len(s["input_ids"]) for s in seqs], token_budget):
+        L = max(len(seqs[i]["input_ids"]) for i in group)
+        ids = torch.full((len(group), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(group), L), dtype=torch.long)
+        for r, i in enumerate(group):
+            n = len(seqs[i]["input_ids"])
+            ids[r, :n] = torch.as_tensor(seqs[i]["input_ids"])
+            mask[r, :n] = 1
+        t0 = time.perf_counter()
+        feats, final = tf(ids.to(tf.device), mask.to(tf.device))
+        seconds = time.perf_counter() - t0
+        yield group, [_stored(tf, feats[r], final[r], len(seqs[i]["input_ids"]), seqs[i]["anchors"],
+                              spec) for r, i in enumerate(group)], seconds
+
+
+def extract(tf: TargetFeatures, seqs: List[dict], spec: dict, token_budget: int,
+            pad_id: int) -> Tuple[List[dict], float]:
+    """All of `iter_extract` in input order, and the total forward seconds."""
+    results: List[dict] = [None] * len(seqs)
+    total = 0.0
+    for group, res, seconds in iter_extract(tf, seqs, spec, token_budget, pad_id):
+        total += seconds
+        for i, r in zip(group, res):
+            results[i] = r
+    return results, total
+
+
+def write_features(tf: TargetFeatures, seqs: List[dict], spec: dict, writer, token_budget: int,
+                   pad_id: int) -> Tuple[Counter, set, List[dict]]:
+    """Forward `seqs` bucket by bucket and `writer.write` each bucket's rows (sequence dict
+    + stored arrays); a sequence whose states overflow fp16 is left out. Returns (stats,
+    {(index, id)} written, sequences of records with nothing written)."""
+    stats, written, failed = Counter(forward_s=0.0), set(), {}
+    for group, results, seconds in iter_extract(tf, seqs, spec, token_budget, pad_id):
+        rows = [{**seqs[i], **r} for i, r in zip(group, results) if "error" not in r]
+        failed.update({seqs[i]["index"]: seqs[i] for i, r in zip(group, results) if "error" in r})
+        writer.write(rows)
+        written |= {(r["index"], r["id"]) for r in rows}
+        stats.update(forward_s=seconds, sequences=len(rows),
+                     tokens=sum(len(r["input_ids"]) for r in rows),
+                     supervised_tokens=int(sum(np.sum(r["loss_mask"]) for r in rows)),
+                     anchors=sum(len(r["anchors"]) for r in rows))
+    done = {i for i, _ in written}
+    return stats, written, [s for i, s in failed.items() if i not in done]
