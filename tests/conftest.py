@@ -23,3 +23,14 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return ROOT
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny ops on a shared 2-core machine run ~10x faster single-threaded: intra-op
+    threads only contend with each other and with Ray workers."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -19,13 +19,6 @@ EXTRA = {"target_fingerprint": "tiny-qwen3@abc123", "target_name": "tiny-qwen3",
          "target_layer_ids": [0, 1]}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def vocab():

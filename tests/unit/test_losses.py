@@ -4,19 +4,11 @@ per-anchor gathering of targets / reference rows."""
 
 import math
 
-import pytest
 import torch
 
 from dlite.losses import (block_targets, dlite_loss, gather_block_rows, position_weights,
                           ref_probs_from_hidden, ref_probs_from_topk)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def rand_case(N=3, g=4, V=11, seed=0):

@@ -20,14 +20,6 @@ CFG = DrafterConfig(gamma=4, target_layer_ids=[0, 1], hidden_size=32, num_layers
 ARCHS = ("dlite", "teacher", "dspark")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a shared 2-core machine run ~10x faster single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def make(arch="dlite", seed=0, **kw):
     torch.manual_seed(seed)

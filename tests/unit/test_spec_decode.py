@@ -21,14 +21,6 @@ from dlite.spec.replay import evaluate_prompts, iter_tasks
 GAMMA = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny forwards: intra-op threads only contend on a busy 2-core box.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_target(vocab=128, layers=2, init=0.5, seed=0):
     """A wide initializer spreads the logits, so argmax near-ties (which a 1-token and a

@@ -9,14 +9,6 @@ from scipy.stats import chisquare
 from dlite.spec import verify as V
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors: intra-op threads only contend (16x slower on a busy 2-core box).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def test_warp_defaults_are_identity_and_top_k_top_p_truncate():
     p = torch.tensor([0.1, 0.4, 0.2, 0.3])
