@@ -4,7 +4,10 @@
 
 `draft_cost`: per-round draft time and drafter cache bytes against context length for
 DLite and the DSpark-style baseline, same process, interleaved; plus parameter counts
-of the Qwen3-4B/8B-shaped drafters. More benchmarks join as their stages land.
+of the Qwen3-4B/8B-shaped drafters.
+`collect`: capture overhead, stored bytes/token per storage mode x reference vs the
+DeepSpec layout, and collect-stage throughput with 1 and 2 actors.
+More benchmarks join as their stages land.
 """
 
 import json
@@ -32,7 +35,16 @@ def draft_cost(cfg, args) -> dict:
     return report
 
 
-BENCHMARKS = {"draft_cost": draft_cost}
+def collect(cfg, args) -> dict:
+    # Rates, not volume: a small input (at most 16 records, fewer via data.n_train=N), and
+    # at most 5 interleaved bare/collection repetitions (fewer via --rounds): each is a
+    # full pass over the input, so draft_cost's 20 would take minutes on CPU.
+    from pipelines.collect_bench import run
+    n = min(16, cfg.data.n_train)
+    return run(cfg, records=n, repetitions=min(args.rounds, 5), collect_records=n)
+
+
+BENCHMARKS = {"draft_cost": draft_cost, "collect": collect}
 
 
 def main(argv=None) -> int:
