@@ -15,7 +15,7 @@ class DrafterConfig:
     gamma: int = 7
     # Target layers whose raw decoder-layer outputs form the context feature
     # (concatenated). Negative ids are not allowed; ids index decoder layers 0..L-1.
-    target_layer_ids: List[int] = field(default_factory=lambda: [0, 1, 2])
+    target_layer_ids: List[int] = field(default_factory=lambda: [0, 1])
     # Backbone size.
     hidden_size: int = 256
     num_layers: int = 2

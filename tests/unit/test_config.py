@@ -32,8 +32,13 @@ def test_tiny_experiment_loads_and_validates():
 @pytest.mark.parametrize("axis", ["target", "drafter", "cluster"])
 def test_every_shipped_axis_file_composes(axis, tmp_path, monkeypatch):
     monkeypatch.setenv("DLITE_STORAGE_URI", "s3://bucket/dlite")
+    # Production drafters name layers up to 33: pair them with a 36-layer target.
+    qwen = tmp_path / "qwen3"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({"num_hidden_layers": 36}))
     for f in sorted((config.CONFIG_DIR / axis).glob("*.yaml")):
-        exp = _write(tmp_path / "exp.yaml", {"defaults": [{axis: f.stem}]})
+        target = {"target": {"path": str(qwen)}} if "qwen3" in f.stem else {}
+        exp = _write(tmp_path / "exp.yaml", {"defaults": [{axis: f.stem}], **target})
         assert load_config(str(exp))[axis] is not None
 
 
@@ -104,7 +109,7 @@ BAD = [  # (overrides, dotted key the error must name)
     (["drafter.target_layer_ids=[]"], "drafter.target_layer_ids"),
     (["drafter.target_layer_ids=[0,1,1]"], "drafter.target_layer_ids"),
     (["drafter.target_layer_ids=[-1,0]"], "drafter.target_layer_ids"),
-    (["target.num_layers=4", "drafter.target_layer_ids=[0,4]"], "drafter.target_layer_ids"),
+    (["drafter.target_layer_ids=[0,2]"], "drafter.target_layer_ids"),  # tiny target: 2 layers
     (["drafter.arch=eagle"], "drafter.arch"),
     (["drafter.context_injection=cross"], "drafter.context_injection"),
     (["drafter.head=lstm"], "drafter.head"),
