@@ -1,27 +1,34 @@
 """Training batches for the drafter: `collate` turns stored sequences (token ids, loss
-mask, per-position features and reference rows — `full` storage) into the padded batch
-dict `dlite.train.step.compute_loss` reads, and `epoch_batches` streams them with
-anchors re-sampled every epoch. `inprocess_rows` runs the target here (no Ray), for the
-single-process debug path, tests and benchmarks; the collect stage produces the same
-rows at scale."""
+mask, per-position features and reference rows -- `full` storage) into the padded batch
+dict `dlite.train.step.compute_loss` reads, and `BatchStream` turns any per-epoch source
+of rows (a list in memory, `dlite.data.shards.iter_records`, a Ray dataset shard) into
+an endless stream of batches: seeded shuffle buffer, anchors re-sampled every epoch,
+ragged tail dropped, and a position (`epoch`, `taken`) a checkpoint can store and a
+resumed run can skip to. `inprocess_rows` runs the target here (no Ray), for the
+single-process debug path, tests and benchmarks; the collect stage makes the same rows
+at scale."""
 
 import random
-from typing import Iterator, List
+from typing import Callable, Iterable, Iterator, List, Optional
 
 import numpy as np
 import torch
 
 from dlite.data.anchors import anchor_seed, sample_anchors
 
+DENSE = ("features", "ref_hidden", "topk_ids", "topk_logprobs")
+
 
 def collate(rows: List[dict]) -> dict:
-    """Pad a list of rows to one batch; features / references become float32."""
+    """Pad a list of rows to one batch; features / references become float32.
+    `seq_lens` [B] counts real (unpadded) tokens, for throughput figures."""
     L = max(len(r["input_ids"]) for r in rows)
     A = max(1, max(len(r["anchors"]) for r in rows))
     B = len(rows)
     out = {"input_ids": torch.zeros(B, L, dtype=torch.long), "loss_mask": torch.zeros(B, L, dtype=torch.bool),
-           "anchors": torch.ones(B, A, dtype=torch.long), "anchor_mask": torch.zeros(B, A, dtype=torch.bool)}
-    dense = [k for k in ("features", "ref_hidden", "topk_ids", "topk_logprobs") if k in rows[0]]
+           "anchors": torch.ones(B, A, dtype=torch.long), "anchor_mask": torch.zeros(B, A, dtype=torch.bool),
+           "seq_lens": torch.tensor([len(r["input_ids"]) for r in rows], dtype=torch.long)}
+    dense = [k for k in DENSE if k in rows[0]]
     for k in dense:
         first = np.asarray(rows[0][k])
         dtype = torch.long if k == "topk_ids" else torch.float32
@@ -43,19 +50,71 @@ def resample(row: dict, n_anchors: int, seed: int, epoch: int) -> dict:
     return {**row, "anchors": sample_anchors(row["loss_mask"], n_anchors, s)}
 
 
-def epoch_batches(rows: List[dict], batch_size: int, n_anchors: int, seed: int,
-                  drop_last: bool = True) -> Iterator[dict]:
-    """Endless batches: shuffle per epoch, re-sample anchors, drop the ragged tail."""
-    epoch = 0
-    while True:
-        order = list(range(len(rows)))
-        random.Random(seed + epoch).shuffle(order)
-        stop = len(order) - len(order) % batch_size if drop_last else len(order)
-        if stop == 0:
-            raise ValueError(f"{len(rows)} rows cannot fill one batch of {batch_size}")
-        for i in range(0, stop, batch_size):
-            yield collate([resample(rows[j], n_anchors, seed, epoch) for j in order[i:i + batch_size]])
-        epoch += 1
+def shuffled(rows: Iterable, buffer: int, seed: int) -> Iterator:
+    """A seeded shuffle through a buffer of `buffer` rows: a full permutation when the
+    buffer holds the whole epoch, bounded memory when it cannot (streamed shards)."""
+    rng, buf = random.Random(seed), []
+    for row in rows:
+        buf.append(row)
+        if len(buf) > buffer:
+            i = rng.randrange(len(buf))
+            buf[i], buf[-1] = buf[-1], buf[i]
+            yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+class BatchStream:
+    """Endless batches over `epoch_rows(epoch)`, an iterable of rows per epoch.
+
+    Each epoch: shuffle (seed + epoch), group `batch_size` rows, drop the ragged tail,
+    re-sample anchors, decode and collate. `epoch` / `taken` (batches handed out in this
+    epoch) are the resume position: `BatchStream(..., start=state)` skips exactly those
+    batches without decoding them (the same rows when the row order is fixed, as in
+    one process or on one worker; several Ray workers may be dealt other rows after a
+    restart, so there it resumes at the same count, not the same rows). Every epoch is
+    read to its end, even the dropped tail: a Ray streaming split starts the next epoch
+    only when all ranks have finished this one."""
+
+    def __init__(self, epoch_rows: Callable[[int], Iterable[dict]], batch_size: int,
+                 n_anchors: int, seed: int, shuffle_buffer: int = 1024,
+                 decode: Callable[[dict], dict] = lambda r: r, start: Optional[dict] = None):
+        self.epoch_rows, self.batch_size, self.n_anchors = epoch_rows, batch_size, n_anchors
+        self.seed, self.shuffle_buffer, self.decode = seed, shuffle_buffer, decode
+        self.epoch, self.taken = (start or {}).get("epoch", 0), (start or {}).get("taken", 0)
+        self._it = self._batches()
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "taken": self.taken}
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return next(self._it)
+
+    def _batches(self) -> Iterator[dict]:
+        skip = self.taken
+        while True:
+            n, group = 0, []
+            for raw in shuffled(self.epoch_rows(self.epoch), self.shuffle_buffer, self.seed + self.epoch):
+                group.append(raw)
+                if len(group) < self.batch_size:
+                    continue
+                n += 1
+                if n > skip:
+                    self.taken = n
+                    yield collate([resample(self.decode(r), self.n_anchors, self.seed, self.epoch)
+                                   for r in group])
+                group = []
+            if n == 0:
+                raise ValueError(f"epoch {self.epoch} cannot fill one batch of {self.batch_size} rows")
+            self.epoch, self.taken, skip = self.epoch + 1, 0, 0
+
+
+def epoch_batches(rows: List[dict], batch_size: int, n_anchors: int, seed: int) -> BatchStream:
+    """Endless batches over rows held in memory (a full shuffle every epoch)."""
+    return BatchStream(lambda epoch: rows, batch_size, n_anchors, seed, shuffle_buffer=len(rows))
 
 
 def inprocess_rows(model, tokenizer, records, layer_ids, max_len: int, policy: str,

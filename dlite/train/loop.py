@@ -1,7 +1,9 @@
 """The training loop, readable top to bottom (nanoGPT style): schedule → micro-batches
 → loss → backward → step, with validation, logging and checkpointing as visible `if`
-blocks. It knows nothing about Ray or DeepSpeed: the engine (plain torch or DeepSpeed)
-and the callbacks (log / checkpoint / validate) are passed in."""
+blocks. It knows nothing about Ray or DeepSpeed: the engine (plain torch or DeepSpeed,
+see `dlite.train.optim.PlainEngine` for the surface) and the callbacks (log /
+checkpoint / validate) are passed in, so the same function runs a debug session on a
+laptop and a resumed rank of a multi-node job."""
 
 import time
 from dataclasses import dataclass
@@ -24,45 +26,75 @@ class LoopConfig:
     log_every: int = 1
 
 
-def _tokens(batch: dict) -> int:
-    return int(batch["input_ids"].numel())
+def to_device(batch: dict, device) -> dict:
+    if device is None or torch.device(device).type == "cpu":
+        return batch
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def flat_metrics(m: dict) -> dict:
+    """Scalars as floats; per-slot lists / tensors as `name_1..name_g` (1-based slots)."""
+    out = {}
+    for k, v in m.items():
+        if torch.is_tensor(v):
+            v = v.item() if v.numel() == 1 else v.tolist()
+        if isinstance(v, (list, tuple)):
+            out.update({f"{k}_{i + 1}": float(x) for i, x in enumerate(v)})
+        elif isinstance(v, (int, float, bool)):
+            out[k] = float(v)
+    return out
+
+
+def _throughput(dt: float, samples: int, tokens: int, run_samples: int, run_s: float) -> dict:
+    """This step's rates, and the mean rate since the first (warm-up) step."""
+    return {"step_s": dt, "samples_per_s": samples / dt, "tokens_per_s": tokens / dt,
+            "samples_per_s_avg": run_samples / run_s if run_s else samples / dt}
+
+
+def is_eval_step(step: int, cfg: LoopConfig) -> bool:
+    return step == cfg.steps - 1 or bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0)
 
 
 def train_loop(engine, batches: Iterator[dict], cfg: LoopConfig, start_step: int = 0,
                teacher=None, validate: Optional[Callable] = None,
                log: Callable = lambda step, m: None,
-               checkpoint: Callable = lambda step, metrics, is_best: None) -> dict:
-    """Run optimiser steps start_step..cfg.steps-1; returns the last metrics."""
-    model, best, last = engine.module, None, {}
-    t0, samples, tokens = time.perf_counter(), 0, 0
+               checkpoint: Callable = lambda step, metrics, is_best: None,
+               best: Optional[float] = None) -> dict:
+    """Run optimiser steps start_step..cfg.steps-1; returns the last metrics. Validation
+    and the checkpoint call happen every `eval_every` steps and at the end, so a
+    checkpoint always carries the validation it is ranked by; `best` is the best
+    `val_tau` so far (a resumed run passes its checkpoint's)."""
+    model, last = engine.module, {}
+    run_samples, run_s = 0, 0.0  # steps after the first (which warms caches up)
     for step in range(start_step, cfg.steps):
+        t0, samples, tokens, loss_sum = time.perf_counter(), 0, 0, 0.0
         model.train()
-        engine.set_lr(lr_at(step, cfg.steps, cfg.lr, cfg.warmup_frac))
+        lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_frac)
+        engine.set_lr(lr)
         ref = teacher if step < cfg.distill_steps else None
         for _ in range(cfg.grad_accum):
-            batch = next(batches)
+            batch = to_device(next(batches), engine.device)
             loss, m = compute_loss(model, batch, teacher=ref)
             engine.backward(loss)
-            samples, tokens = samples + batch["input_ids"].shape[0], tokens + _tokens(batch)
+            loss_sum += loss.item()
+            samples += batch["input_ids"].shape[0]
+            tokens += int(batch["seq_lens"].sum()) if "seq_lens" in batch else batch["input_ids"].numel()
         engine.step()
         dt = time.perf_counter() - t0
-        last = {"loss": loss.item(), "lr": lr_at(step, cfg.steps, cfg.lr, cfg.warmup_frac),
-                "samples_per_s": samples / dt, "tokens_per_s": tokens / dt,
-                "reference": "teacher" if ref is not None else "target",
-                **{k: v for k, v in m.items() if not torch.is_tensor(v) or v.numel() == 1}}
-        last = {k: (v.item() if torch.is_tensor(v) else v) for k, v in last.items()}
-        for k, v in m.items():
-            if torch.is_tensor(v) and v.numel() > 1:
-                last.update({f"{k}_{i + 1}": float(x) for i, x in enumerate(v.tolist())})
-        if cfg.log_every and step % cfg.log_every == 0:
+        if step > start_step:
+            run_samples, run_s = run_samples + samples, run_s + dt
+        # Per-slot figures are the last micro-batch's; the loss is the step's mean.
+        last = {**flat_metrics(m), "loss": loss_sum / cfg.grad_accum, "lr": lr,
+                **_throughput(dt, samples, tokens, run_samples, run_s), "distilling": float(ref is not None)}
+        if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             log(step, last)
-        is_eval = validate is not None and (
-            step == cfg.steps - 1 or (cfg.eval_every and (step + 1) % cfg.eval_every == 0))
-        if is_eval:
-            val = validate(model)
-            is_best = best is None or val["val_tau"] > best
-            best = max(best or val["val_tau"], val["val_tau"])
-            last.update(val)
-            log(step, val)
+        if is_eval_step(step, cfg):
+            val = validate(model) if validate is not None else {}
+            is_best = "val_tau" in val and (best is None or val["val_tau"] > best)
+            best = val["val_tau"] if is_best else best
+            val = {**val, **({"best_val_tau": best} if best is not None else {})}
+            last = {**last, **val}
+            if val:
+                log(step, val)
             checkpoint(step, last, is_best)
     return last

@@ -2,6 +2,7 @@
 frozen target embedding/lm_head are buffers and never reach it), linear warm-up then
 cosine decay, and the plain single-process engine used for debugging and tests."""
 
+import contextlib
 import math
 
 import torch
@@ -22,13 +23,17 @@ def adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
 
 
 class PlainEngine:
-    """Single-process torch: accumulate `grad_accum` micro-batches, clip, step. Same
-    surface as the DeepSpeed engine (`backward`, `step`, `set_lr`, `module`)."""
+    """Single-process torch: accumulate `grad_accum` micro-batches, clip, step. The
+    engine surface every engine offers (`pipelines.engine.DeepSpeedEngine` too):
+    `module`, `device`, `dtype`, `backward`, `step`, `set_lr`, `global_steps`,
+    `gathered`; resume state here is `state_dict` / `load_state_dict`."""
 
     def __init__(self, model, lr: float, weight_decay: float, grad_clip: float, grad_accum: int = 1):
         self.module, self.grad_clip, self.grad_accum = model, grad_clip, grad_accum
         self.optimizer = adamw(model, lr, weight_decay)
-        self._micro = 0
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self._micro, self.global_steps = 0, 0
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.grad_accum).backward()
@@ -43,16 +48,22 @@ class PlainEngine:
                                            self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._micro = 0
+        self._micro, self.global_steps = 0, self.global_steps + 1
         return True
 
     def set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
 
+    def gathered(self):
+        """Full weights are always local here (ZeRO-3 engines gather them)."""
+        return contextlib.nullcontext()
+
     def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "global_steps": self.global_steps}
 
     def load_state_dict(self, sd: dict) -> None:
         self.module.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
+        self.global_steps = sd.get("global_steps", 0)

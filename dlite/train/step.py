@@ -36,3 +36,29 @@ def compute_loss(model, batch: dict, teacher=None, ce_weight: float = 0.1,
     p_ref = reference_probs(batch, anchors, gamma, model.vocab.lm_head_weight, logits.shape[-1], teacher)
     return dlite_loss(logits, targets, valid, p_ref, ce_weight, l1_weight)
 
+
+
+@torch.no_grad()
+def validate(model, batches) -> dict:
+    """Teacher-forced validation against the target over fixed batches (stored anchors):
+    `val_loss`, per-slot `val_accept_at_k_j` and `val_tau` = expected accepted length
+    built from them -- the same estimate as `tau_est`, pooled over all batches with
+    each batch weighted by its valid slots."""
+    was_training, model = model.training, model.eval()
+    w_sum, loss_sum, accept = 0.0, 0.0, None
+    for batch in batches:
+        _, m = compute_loss(model, batch)
+        w = float(m["valid_slots"])
+        loss_sum, w_sum = loss_sum + m["loss"] * w, w_sum + w
+        a = torch.tensor(m["accept_est_at_k"]) * w
+        accept = a if accept is None else accept + a
+    model.train(was_training)
+    if not w_sum:
+        raise ValueError("validation batches hold no valid slot")
+    accept = (accept / w_sum).tolist()
+    tau, run = 1.0, 1.0
+    for a in accept:
+        run *= a
+        tau += run
+    return {"val_loss": loss_sum / w_sum, "val_tau": tau,
+            **{f"val_accept_at_k_{i + 1}": a for i, a in enumerate(accept)}}

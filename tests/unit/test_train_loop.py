@@ -72,3 +72,88 @@ def test_teacher_reference_distils(setup):
     loss_t, _ = compute_loss(student, batch, teacher=teacher)
     loss_r, _ = compute_loss(student, batch)
     assert torch.isfinite(loss_t) and loss_t.item() != pytest.approx(loss_r.item())
+
+
+# ---------------------------------------------------------------- no target needed
+
+def _rows(n: int, length: int = 40, seed: int = 0) -> list:
+    """Synthetic full-mode rows: supervised second half, 8-wide features."""
+    g = torch.Generator().manual_seed(seed)
+    mask = [0] * (length // 2) + [1] * (length - length // 2)
+    return [{"id": f"r{i}", "part": 0, "input_ids": torch.randint(0, 50, (length,), generator=g).tolist(),
+             "loss_mask": mask, "anchors": [], "features": torch.randn(length, 8, generator=g).numpy()}
+            for i in range(n)]
+
+
+def test_batch_stream_resumes_at_the_same_batch():
+    from dlite.train.data import BatchStream
+    rows = _rows(7)
+    make = lambda start=None: BatchStream(lambda e: iter(rows), 2, 4, seed=3, shuffle_buffer=3,  # noqa: E731
+                                          start=start)
+    full = make()
+    seen = [next(full) for _ in range(8)]           # 3 batches per epoch (7 rows, tail dropped)
+    first = make()
+    for _ in range(4):
+        next(first)
+    state = first.state()
+    assert state == {"epoch": 1, "taken": 1}
+    resumed = make(start=state)
+    for want in seen[4:]:
+        got = next(resumed)
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["anchors"], want["anchors"])
+    assert not torch.equal(seen[0]["anchors"], seen[3]["anchors"]) or \
+        not torch.equal(seen[0]["input_ids"], seen[3]["input_ids"])  # a new epoch: new draw
+
+
+def test_shuffle_buffer_is_a_seeded_permutation():
+    from dlite.train.data import shuffled
+    a, b = list(shuffled(range(50), 8, 1)), list(shuffled(range(50), 8, 1))
+    assert a == b and sorted(a) == list(range(50)) and a != list(range(50))
+
+
+def test_stage_plans():
+    from dlite.train.stage import loop_config, plan_stage
+    cfg = load_config("configs/experiments/tiny.yaml", ["train.steps_align=10", "train.distill_frac=0.3"])
+    assert plan_stage(cfg, "teacher").arch == "teacher"
+    assert plan_stage(cfg, "dspark").arch == "dspark"
+    align = plan_stage(cfg, "align")
+    assert (align.arch, align.steps, align.distill_steps, align.needs_teacher) == ("dlite", 10, 3, True)
+    assert loop_config(cfg, align).distill_steps == 3
+    ablation = plan_stage(load_config("configs/experiments/tiny.yaml",
+                                      ["train.steps_align=10", "train.skip_teacher=true"]), "align")
+    assert (ablation.steps, ablation.distill_steps, ablation.needs_teacher) == (10, 0, False)
+    with pytest.raises(ValueError, match="stage"):
+        plan_stage(cfg, "collect")
+
+
+def test_heldout_ids_are_stable_and_whole_records():
+    from dlite.train.stage import heldout_ids
+    ids = [f"rec-{i}" for i in range(30)] * 2  # every record split in two parts
+    held = heldout_ids(ids, 3)
+    assert held == heldout_ids(list(reversed(ids)), 3) and len(held) == 3
+
+
+def test_validate_pools_batches_like_one_batch():
+    from dlite.models import DrafterConfig
+    from dlite.train.step import validate
+    torch.manual_seed(0)
+    vocab = torch.randn(64, 4)
+    model = build_drafter(DrafterConfig(gamma=3, target_layer_ids=[0, 1], hidden_size=16, num_layers=1,
+                                        num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                                        head_hidden=16), vocab, vocab.clone(), 63)
+    rows = [{**r, "ref_hidden": torch.randn(40, 4).numpy()} for r in _rows(4)]
+    rows = [{**r, "features": r["features"][:, :8], "anchors": [21, 25, 30]} for r in rows]
+    one = compute_loss(model, collate(rows))[1]
+    pooled = validate(model.train(), [collate(rows[:2]), collate(rows[2:])])
+    assert model.training  # restored
+    assert pooled["val_tau"] == pytest.approx(one["tau_est"], rel=1e-5)
+    assert pooled["val_loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert 1.0 <= pooled["val_tau"] <= 4.0 and len([k for k in pooled if "accept_at_k" in k]) == 3
+
+
+def test_load_vocab_reads_only_what_drafters_share(setup):
+    from dlite.train.stage import load_vocab
+    cfg, model, tok, _ = setup
+    embed, lm_head, mask = load_vocab(cfg.target)
+    want = tgt.shared_vocab(model, tok)
+    assert torch.equal(embed, want[0]) and torch.equal(lm_head, want[1]) and mask == want[2]
