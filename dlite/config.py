@@ -119,9 +119,18 @@ def _first_line(e: Exception) -> str:
 def _fill_tracking(cfg: DictConfig) -> None:
     # Resolved here, not in the tracker, so the logged config shows what was used.
     t = cfg.tracking
-    t.uri = t.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    t.uri = _absolute_sqlite(t.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
     t.experiment = t.experiment or f"dlite-{cfg.target.name}"
     t.registered_model = t.registered_model or f"dlite-{cfg.target.name}"
+
+
+def _absolute_sqlite(uri: str) -> str:
+    """`sqlite:///mlflow.db` is relative to the current directory, which Ray workers do
+    not share with the driver: pin it to the driver's directory."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
 
 
 # ---------------------------------------------------------------- output

@@ -167,3 +167,13 @@ def test_layer_ids_checked_against_target_config_json(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^drafter\.target_layer_ids"):
         load_config(TINY)
     assert load_config(TINY, ["drafter.target_layer_ids=[0]"])
+
+
+def test_relative_sqlite_tracking_uri_is_pinned(tmp_path, monkeypatch):
+    """Ray workers run elsewhere: a relative SQLite store must not split into two."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = load_config(str(config.REPO_ROOT / TINY)).tracking.uri
+    assert uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert load_config(str(config.REPO_ROOT / TINY), ["tracking.uri=http://127.0.0.1:5000"]).tracking.uri \
+        == "http://127.0.0.1:5000"
