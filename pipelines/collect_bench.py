@@ -20,11 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
 from dlite.data import formats, shards
-from dlite.data.features import TargetFeatures, extract, length_buckets, write_features
+from dlite.data.features import TargetFeatures, extract, length_buckets, pad_group, write_features
 from dlite.data.render import sequences
 from dlite.tiny import corpus
 
@@ -60,16 +59,8 @@ def _budget(cfg) -> int:
 
 def _padded_batches(seqs: list, budget: int, pad_id: int) -> list:
     """The (input_ids, attention_mask) batches `iter_extract` forms from `seqs`."""
-    out = []
-    for group in length_buckets([len(s["input_ids"]) for s in seqs], budget):
-        L = max(len(seqs[i]["input_ids"]) for i in group)
-        ids = torch.full((len(group), L), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(group), L), dtype=torch.long)
-        for r, i in enumerate(group):
-            n = len(seqs[i]["input_ids"])
-            ids[r, :n], mask[r, :n] = torch.as_tensor(seqs[i]["input_ids"]), 1
-        out.append((ids, mask))
-    return out
+    return [pad_group(seqs, group, pad_id)
+            for group in length_buckets([len(s["input_ids"]) for s in seqs], budget)]
 
 
 def _time_bare(tf: TargetFeatures, batches: list) -> float:

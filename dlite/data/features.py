@@ -93,6 +93,18 @@ def length_buckets(lengths: Sequence[int], token_budget: int) -> List[List[int]]
     return groups + ([cur] if cur else [])
 
 
+def pad_group(seqs: List[dict], group: List[int], pad_id: int):
+    """(input_ids, attention_mask) [len(group), longest] for one length bucket."""
+    L = max(len(seqs[i]["input_ids"]) for i in group)
+    ids = torch.full((len(group), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(group), L), dtype=torch.long)
+    for r, i in enumerate(group):
+        n = len(seqs[i]["input_ids"])
+        ids[r, :n] = torch.as_tensor(seqs[i]["input_ids"])
+        mask[r, :n] = 1
+    return ids, mask
+
+
 def _fp16(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.float16).cpu().numpy()
 
@@ -122,13 +134,7 @@ def iter_extract(tf: TargetFeatures, seqs: List[dict], spec: dict, token_budget:
     in the target forward). `seqs`: {"input_ids", "anchors"}; `spec`: storage_mode,
     reference, topk, gamma. One bucket's arrays are alive at a time."""
     for group in length_buckets([len(s["input_ids"]) for s in seqs], token_budget):
-        L = max(len(seqs[i]["input_ids"]) for i in group)
-        ids = torch.full((len(group), L), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(group), L), dtype=torch.long)
-        for r, i in enumerate(group):
-            n = len(seqs[i]["input_ids"])
-            ids[r, :n] = torch.as_tensor(seqs[i]["input_ids"])
-            mask[r, :n] = 1
+        ids, mask = pad_group(seqs, group, pad_id)
         t0 = time.perf_counter()
         feats, final = tf(ids.to(tf.device), mask.to(tf.device))
         seconds = time.perf_counter() - t0
