@@ -194,6 +194,19 @@ class FrozenVocab(nn.Module):
         return F.embedding(ids, self.embed_weight)
 
 
+def attach_target(model: nn.Module, cfg, embed_weight: torch.Tensor,
+                  lm_head_weight: torch.Tensor, mask_token_id: int) -> None:
+    """What every drafter architecture records about its target: gamma, the captured
+    layers, the frozen shared vocabulary and the context-feature width."""
+    if cfg.gamma < 2:
+        raise ValueError(f"drafter.gamma must be >= 2, got {cfg.gamma}")
+    model.cfg, model.gamma = cfg, cfg.gamma
+    model.target_layer_ids = list(cfg.target_layer_ids)
+    model.vocab = FrozenVocab(embed_weight, lm_head_weight, mask_token_id)
+    model.target_hidden = embed_weight.shape[1]
+    model.feature_dim = len(cfg.target_layer_ids) * model.target_hidden
+
+
 def init_weights(module: nn.Module, std: float = 0.02):
     """Normal(0, std) linears, unit norms; zero_init-tagged linears start at zero so
     optional heads begin as the identity / a zero bias. Skipped on `meta` (size-only

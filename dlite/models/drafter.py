@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlite.models.common import (Backbone, FrozenVocab, RMSNorm, StaticMemory, as_batched,
+from dlite.models.common import (Backbone, attach_target, RMSNorm, StaticMemory, as_batched,
                                  block_layout, gather_positions, init_weights, sample_block)
 from dlite.models.config import DrafterConfig
 
@@ -99,13 +99,7 @@ def build_student_parts(model: nn.Module, cfg: DrafterConfig, embed_weight, lm_h
                          f"got {cfg.context_injection!r}")
     if cfg.head not in HEADS:
         raise ValueError(f"drafter.head must be one of {sorted(HEADS)}, got {cfg.head!r}")
-    if cfg.gamma < 2:
-        raise ValueError(f"drafter.gamma must be >= 2, got {cfg.gamma}")
-    model.cfg, model.gamma = cfg, cfg.gamma
-    model.target_layer_ids = list(cfg.target_layer_ids)
-    model.vocab = FrozenVocab(embed_weight, lm_head_weight, mask_token_id)
-    model.target_hidden = embed_weight.shape[1]
-    model.feature_dim = len(cfg.target_layer_ids) * model.target_hidden
+    attach_target(model, cfg, embed_weight, lm_head_weight, mask_token_id)
     model.ctx_proj = nn.Linear(model.feature_dim, cfg.hidden_size, bias=False)
     model.ctx_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     model.backbone = Backbone(cfg, model.target_hidden)

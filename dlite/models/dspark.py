@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dlite.models.common import (Backbone, FrozenVocab, RMSNorm, StaticMemory, as_batched,
+from dlite.models.common import (Backbone, attach_target, RMSNorm, StaticMemory, as_batched,
                                  block_layout, init_weights, sample_block)
 from dlite.models.config import DrafterConfig
 from dlite.models.drafter import block_inputs, embed_in
@@ -38,13 +38,7 @@ class DSparkDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, mask_token_id: int):
         super().__init__()
-        if cfg.gamma < 2:
-            raise ValueError(f"drafter.gamma must be >= 2, got {cfg.gamma}")
-        self.cfg, self.gamma = cfg, cfg.gamma
-        self.target_layer_ids = list(cfg.target_layer_ids)
-        self.vocab = FrozenVocab(embed_weight, lm_head_weight, mask_token_id)
-        self.target_hidden = embed_weight.shape[1]
-        self.feature_dim = len(cfg.target_layer_ids) * self.target_hidden
+        attach_target(self, cfg, embed_weight, lm_head_weight, mask_token_id)
         self.hist_proj = nn.Linear(self.feature_dim, cfg.hidden_size, bias=False)
         self.hist_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backbone = Backbone(cfg, self.target_hidden)
