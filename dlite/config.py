@@ -168,8 +168,9 @@ POSITIVE = [
     "train.steps_dspark", "train.lr", "train.batch_size", "train.grad_accum",
     "eval.n_trajectories", "eval.max_new_tokens", "cluster.num_workers",
     "cluster.cpus_per_worker", "data.regen_max_new_tokens", "data.records_per_shard",
-    "data.batch_tokens",
+    "data.batch_tokens", "data.shuffle_buffer", "data.cache_bytes",
 ]
+NULLABLE = {"train.precision"}  # None: the accelerator's default
 NON_NEGATIVE = [
     "data.min_chars", "train.weight_decay", "train.grad_clip", "train.eval_every",
     "train.max_failures", "eval.top_k", "cluster.gpus_per_worker", "gate.min_tau",
@@ -186,7 +187,8 @@ def validate(cfg: DictConfig) -> None:
     """Raise ConfigError (naming the key) for the first impossible setting found."""
     get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
     for key, allowed in ENUMS.items():
-        _require(get(key) in allowed, key, f"{get(key)!r} not one of {sorted(allowed)}")
+        _require(get(key) in allowed or (key in NULLABLE and get(key) is None), key,
+                 f"{get(key)!r} not one of {sorted(allowed)}")
     for key in POSITIVE:
         _require(get(key) > 0, key, f"must be > 0, got {get(key)}")
     for key in NON_NEGATIVE:
@@ -253,7 +255,8 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
              f"{d.min_chars} > data.max_chars={d.max_chars}")
     _require(t.skip_teacher or t.steps_teacher > 0, "train.steps_teacher",
              f"must be > 0 unless train.skip_teacher, got {t.steps_teacher}")
-    _require(0 <= t.zero_stage <= 3, "train.zero_stage", f"not in 0..3: {t.zero_stage}")
+    _require(t.zero_stage is None or 0 <= t.zero_stage <= 3, "train.zero_stage",
+             f"not in 0..3: {t.zero_stage}")
     _require(0 <= t.distill_frac <= 1, "train.distill_frac",
              f"not in [0, 1]: {t.distill_frac}")
     _require(0 <= t.warmup_frac < 1, "train.warmup_frac", f"not in [0, 1): {t.warmup_frac}")

@@ -44,6 +44,8 @@ class DataConfig:
     regen_max_new_tokens: int = 256
     records_per_shard: int = 64  # record i goes to shard i // records_per_shard (resume)
     batch_tokens: int = 16384    # token budget of one length-bucketed target forward
+    shuffle_buffer: int = 256    # rows in each training rank's shuffle buffer
+    cache_bytes: int = 1 << 30   # shard sets up to this size are read once and held in memory
 
 
 @dataclass
@@ -58,8 +60,9 @@ class TrainConfig:
     batch_size: int = 4
     grad_accum: int = 1
     grad_clip: float = 1.0
-    zero_stage: int = 0
-    precision: str = "fp32"  # "fp32" | "bf16"
+    # None: the accelerator's default -- ZeRO-2 + bf16 on GPUs, ZeRO-0 + fp32 on CPU.
+    zero_stage: Optional[int] = None
+    precision: Optional[str] = None  # "fp32" | "bf16" | None
     eval_every: int = 10  # 0: evaluate only at the end
     skip_teacher: bool = False  # the no-teacher ablation
     max_failures: int = 0  # Ray Train restarts before giving up

@@ -7,9 +7,8 @@ the single-process benchmark path reads exactly the same rows):
                   for a small collection the training rows as one Arrow table (read once,
                   cached in the object store by the Ray path; streamed when large)
 
-Knobs the config schema does not hold yet are read with defaults: `data.shuffle_buffer`
-(rows in the per-rank shuffle buffer, 256) and `data.cache_bytes` (collections up to
-this size are read into memory, 1 GiB)."""
+`data.shuffle_buffer` sizes the per-rank shuffle buffer; collections up to
+`data.cache_bytes` are read into memory."""
 
 from dataclasses import dataclass
 from typing import List, Optional
@@ -28,11 +27,11 @@ class TrainError(RuntimeError):
 
 
 def shuffle_buffer(cfg) -> int:
-    return int(cfg.data.get("shuffle_buffer", 256))
+    return int(cfg.data.shuffle_buffer)
 
 
 def cache_bytes(cfg) -> int:
-    return int(cfg.data.get("cache_bytes", 1 << 30))
+    return int(cfg.data.cache_bytes)
 
 
 def check_inputs(cfg, plan: st.StagePlan, input_uri: str, teacher: Optional[str]) -> dict:

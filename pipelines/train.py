@@ -27,7 +27,6 @@ rank 1 (rank 0 alone) `os._exit(1)` after step N, once per output dir (marker fi
 Tracking: rank 0 logs loss (total, per slot), lr, throughput and validation to the
 stage's MLflow run, a child of the driver's `parent_run_id` when given."""
 
-import functools
 import hashlib
 import json
 import os
@@ -49,64 +48,13 @@ from dlite.train import stage as st
 from dlite.train.data import BatchStream
 from dlite.train.loop import train_loop
 from dlite.train.step import validate
+from pipelines import tracking
 from pipelines.collect import init_ray, read_shards
 from pipelines.stages import StageInputs, TrainError, check_inputs, keep_rows, shuffle_buffer, split_inputs
 
 __all__ = ["TrainError", "train_stage"]
 
 DONE = "train.json"
-
-
-# ---------------------------------------------------------------- MLflow (rank 0 + driver)
-
-@functools.lru_cache(maxsize=4)
-def _client(uri: str):
-    """One client per process and store (rank 0 logs every step)."""
-    from mlflow import MlflowClient
-    return MlflowClient(tracking_uri=uri)
-
-
-def open_run(cfg, stage: str, output: Path, parent_run_id: Optional[str]) -> str:
-    """The stage's run id: the one this output dir already used, else the parent's
-    existing child for this stage, else a new one -- restarts never duplicate runs."""
-    saved, client = st.read_json(output / "mlflow_run.json"), _client(cfg.tracking.uri)
-    if saved:
-        client.update_run(saved["run_id"], status="RUNNING")  # a rerun resuming it
-        return saved["run_id"]
-    found = []
-    if parent_run_id:  # the child lives in its parent's experiment
-        exp_id = client.get_run(parent_run_id).info.experiment_id
-        found = client.search_runs([exp_id], f"tags.mlflow.parentRunId = '{parent_run_id}' "
-                                             f"and tags.`dlite.stage` = '{stage}'")
-    else:
-        exp = client.get_experiment_by_name(cfg.tracking.experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(cfg.tracking.experiment)
-    tags = {"dlite.stage": stage, **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {})}
-    run_id = found[0].info.run_id if found else client.create_run(exp_id, tags=tags, run_name=stage).info.run_id
-    flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
-    for i in range(0, len(flat), 100):  # the tracking API takes 100 params per call
-        client.log_batch(run_id, params=[_param(k, v) for k, v in list(flat.items())[i:i + 100]])
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "mlflow_run.json").write_text(json.dumps({"run_id": run_id, "uri": cfg.tracking.uri}))
-    return run_id
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def _param(k, v):
-    from mlflow.entities import Param
-    return Param(k, str(v)[:6000])
-
-
-def log_metrics(uri: str, run_id: str, step: int, metrics: dict) -> None:
-    from mlflow.entities import Metric
-    now = int(time.time() * 1000)
-    _client(uri).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
 
 # ---------------------------------------------------------------- workers
@@ -120,16 +68,20 @@ def _epoch_rows(it, epoch: int):
 class _Hooks:
     """The loop's callbacks on one rank: MLflow from rank 0, checkpoints from all."""
 
-    def __init__(self, conf: dict, engine, stream: BatchStream, plan: st.StagePlan):
+    def __init__(self, conf: dict, engine, stream: BatchStream, plan: st.StagePlan, resumed: bool):
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        # After a restart the steps between the last checkpoint and the crash are
+        # trained again; MLflow already has them, so rank 0 logs only newer steps.
+        self.logged = (tracking.last_step(conf["mlflow_uri"], conf["run_id"], "loss")
+                       if resumed and self.rank == 0 else -1)
         self.conf, self.engine, self.stream, self.plan = conf, engine, stream, plan
         self.cfg = OmegaConf.create(conf["cfg"])
 
     def log(self, step: int, m: dict) -> None:
-        if self.rank == 0:
+        if self.rank == 0 and step > self.logged:
             extra = {"samples_per_s_total": m["samples_per_s"] * self.world} if "samples_per_s" in m else {}
-            log_metrics(self.conf["mlflow_uri"], self.conf["run_id"], step, {**m, **extra})
+            tracking.log_metrics(self.conf["mlflow_uri"], self.conf["run_id"], step, {**m, **extra})
         crash = self.conf.get("crash_at_step")
         if crash is not None and step == crash and self.rank == min(1, self.world - 1):
             self._crash_once(step)
@@ -185,7 +137,7 @@ def _worker(conf: dict) -> None:
                          cfg.data.anchors_per_seq, cfg.run.seed, conf["shuffle_buffer"], decode,
                          start=start["stream"])
     val = st.val_batches(st.heldout_rows(**conf["val"]), cfg.train.batch_size, engine.device)
-    hooks = _Hooks(conf, engine, stream, plan)
+    hooks = _Hooks(conf, engine, stream, plan, resumed=start["step"] > 0)
     print(f"[train] rank {hooks.rank}/{world}: {plan.stage} ready in {time.time() - t0:.1f}s, "
           f"from step {start['step']} of {plan.steps} ({torch.get_num_threads()} threads)", flush=True)
     train_loop(engine, stream, st.loop_config(cfg, plan), start["step"], teacher,
@@ -249,14 +201,14 @@ def train_stage(cfg, stage: str, input_uri: str, output: str, teacher: Optional[
     inputs = split_inputs(cfg, input_uri, heldout, manifest)
     init_ray(cfg)
     train_ds = _dataset(input_uri, inputs, manifest["target_fingerprint"])
-    run_id = open_run(cfg, stage, out, parent_run_id)
+    run_id = tracking.open_child(cfg, stage, out, parent_run_id)
     result = _fit(cfg, plan, stage, out, manifest, run_id, teacher, train_ds, inputs.val)
     best = _export_best(result, out)
     summary = {"stage": stage, "plan": plan.__dict__, "run_id": run_id, "steps": result.metrics["step"],
                "final": result.metrics, "best": best, "drafter": str(out / "drafter"),
                "checkpoints": str(result.path)}
-    log_metrics(cfg.tracking.uri, run_id, plan.steps, {"best_val_tau": best.get("val_tau", 0.0)})
-    _client(cfg.tracking.uri).set_terminated(run_id, "FINISHED")
+    tracking.log_metrics(cfg.tracking.uri, run_id, plan.steps, {"best_val_tau": best.get("val_tau", 0.0)})
+    tracking.finish(cfg.tracking.uri, run_id)
     (out / DONE).write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -287,5 +239,5 @@ def _fit(cfg, plan, stage, out: Path, manifest, run_id, teacher, train_ds, val: 
     try:
         return trainer.fit()
     except Exception:
-        _client(cfg.tracking.uri).set_terminated(run_id, "FAILED")
+        tracking.finish(cfg.tracking.uri, run_id, "FAILED")
         raise

@@ -34,3 +34,44 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on a free localhost port (SQLite backend, local artifact
+    dir, one worker) for the whole session; yields its http:// tracking URI."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+    root = tmp_path_factory.mktemp("mlflow_server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mlflow = Path(sys.executable).with_name("mlflow")
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(
+        [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+        time.sleep(0.5)
+    yield uri
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
