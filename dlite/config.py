@@ -158,6 +158,7 @@ ENUMS = {
     "data.length_policy": {"truncate", "split", "drop"},
     "train.precision": {"fp32", "bf16"},
     "cluster.backend": {"gloo", "nccl"},
+    "eval.turn_pick": {"first", "spread"},
     "cluster.accelerator": {"cpu", "gpu"},
 }
 POSITIVE = [
@@ -168,7 +169,7 @@ POSITIVE = [
     "train.steps_dspark", "train.lr", "train.batch_size", "train.grad_accum",
     "eval.n_trajectories", "eval.max_new_tokens", "cluster.num_workers",
     "cluster.cpus_per_worker", "data.regen_max_new_tokens", "data.records_per_shard",
-    "data.batch_tokens", "data.shuffle_buffer", "data.cache_bytes",
+    "data.batch_tokens", "data.shuffle_buffer", "data.cache_bytes", "eval.speed_trajectories",
 ]
 NULLABLE = {"train.precision"}  # None: the accelerator's default
 NON_NEGATIVE = [
@@ -266,3 +267,5 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
     _require(all(x > 0 for x in b) and b == sorted(set(b)), "eval.buckets",
              f"must be positive and strictly increasing, got {b}")
     _require(0 < e.top_p <= 1, "eval.top_p", f"not in (0, 1]: {e.top_p}")
+    _require(e.num_workers is None or e.num_workers > 0, "eval.num_workers",
+             f"must be > 0 (or null), got {e.num_workers}")

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from dlite.models.config import DrafterConfig
 
-STAGES = ["collect", "teacher", "align", "dspark", "evaluate", "publish"]
+STAGES = ["collect", "teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"]
 
 @dataclass
 class RunConfig:
@@ -77,7 +77,10 @@ class EvalConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filtering
     max_turns: Optional[int] = None    # assistant turns replayed per trajectory (None: all)
+    turn_pick: str = "first"  # "first" max_turns, or "spread" evenly up to the last (long histories)
     max_context: Optional[int] = None  # longer histories are skipped and counted
+    num_workers: Optional[int] = None  # acceptance replay in parallel (None: cluster.num_workers)
+    speed_trajectories: int = 2  # timed alone on one worker, plain vs speculative interleaved
 
 
 @dataclass

@@ -1,81 +1,67 @@
-"""The main job: `python -m jobs.pipeline --config FILE [--dry-run] [key=value ...]`.
+"""The main job: the whole pipeline as a DAG (see `pipelines/dag.py`).
 
-Validates the config, prints the plan, then runs the stages this version has. Today
-that is `prepare`: verify the target (load it, fingerprint it, greedy-generate from a
-held-out trajectory) and write the built-in corpus splits the later stages read. The
-collect → teacher → align/dspark → evaluate → publish stages join as they land.
+    python -m jobs.pipeline --config FILE [--dry-run] [--only S1,S2 | --from S] [key=value ...]
+
+collect -> teacher -> align (+ align_no_teacher ablation, + dspark baseline) ->
+evaluate -> publish, as listed in `run.stages`. Finished stages (same settings, same
+inputs) are skipped, unfinished ones resume. `--dry-run` prints the plan (stages, output
+dirs, what would be skipped) and the resolved config without starting Ray. At the end:
+the results table, the MLflow link, and `<run.output_dir>/<run.name>-<hash>/summary.json`.
+Exit status: 0 done, 1 a stage failed or greedy decoding was not lossless, 2 bad config.
 """
 
-import json
 import sys
 import time
 from pathlib import Path
 
 from jobs.cli import parse_args
 
-# Stages the pipeline runs itself today; the others exist as their own jobs
-# (`python -m jobs.collect|train|evaluate`, see the README) until the DAG wires them.
-AVAILABLE = {"prepare"}
-STANDALONE = {"collect": "jobs.collect", "teacher": "jobs.train", "align": "jobs.train",
-              "dspark": "jobs.train", "evaluate": "jobs.evaluate"}
 
-
-def plan(cfg) -> list[dict]:
-    stages = ["prepare", *cfg.run.stages]
-    def note(s):
-        if s in AVAILABLE:
-            return ""
-        if s in STANDALONE:
-            return f"not wired into the pipeline yet: run python -m {STANDALONE[s]}"
-        return "not implemented yet"
-    return [{"stage": s, "runs": s in AVAILABLE, "note": note(s)} for s in stages]
-
-
-def prepare(cfg, out: Path) -> dict:
-    """Verify the target end to end and materialise the corpus splits as JSONL."""
-    import torch
-    from dlite import target
-    from dlite.tiny import corpus
-    from dlite.tiny.tokenizer import render
-    t0 = time.time()
-    model, tok = target.load(cfg.target)
-    fp = target.fingerprint(cfg.target)
-    d = cfg.data
-    paths = {}
-    for split, n in (("train", d.n_train), ("heldout", d.n_heldout)):
-        recs = corpus.generate(split, n, cfg.run.seed, d.min_chars, d.max_chars)
-        paths[split] = str(out / f"{split}.jsonl")
-        corpus.write_jsonl(recs, paths[split])
-    first = json.loads(Path(paths["heldout"]).read_text().splitlines()[0])
-    # Generate the final assistant turn from its full history: the target must run.
-    prompt = render(tok, {**first, "messages": first["messages"][:-1]}, add_generation_prompt=True)
-    ids = tok(prompt, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        gen = model.generate(ids, max_new_tokens=24, do_sample=False)
-    return {"target_fingerprint": fp, "n_params": model.num_parameters(), "corpus": paths,
-            "prompt_tokens": ids.shape[1], "sample": tok.decode(gen[0, ids.shape[1]:]),
-            "seconds": round(time.time() - t0, 1)}
+def _flags(p) -> None:
+    p.add_argument("--only", default=None, help="comma-separated stages to run (inputs must be finished)")
+    p.add_argument("--from", dest="start", default=None, help="run this stage and every later one")
 
 
 def main(argv=None) -> int:
-    args, cfg = parse_args(argv)
+    args, cfg = parse_args(argv, _flags)
     from dlite.config import config_hash, to_yaml
-    out = Path(cfg.run.output_dir) / f"{cfg.run.name}-{config_hash(cfg)}"
-    steps = plan(cfg)
-    print(f"[pipeline] config {args.config} (hash {config_hash(cfg)}) -> {out}")
-    for s in steps:
-        print(f"[pipeline]   {s['stage']:<9} {'run' if s['runs'] else 'skip: ' + s['note']}")
+    from pipelines.dag import PipelineError, plan
+    try:
+        stages = plan(cfg, args.only.split(",") if args.only else None, args.start)
+    except PipelineError as e:
+        print(f"pipeline error: {e}", file=sys.stderr)
+        return 2
+    home = Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{config_hash(cfg)}"
+    print(f"[pipeline] config {args.config} (hash {config_hash(cfg)}) -> {home}", flush=True)
+    for s in stages:
+        print(f"[pipeline]   {s.name:<16} {s.status:<7} {s.dir}", flush=True)
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(to_yaml(cfg))
-    summary = {"config_hash": config_hash(cfg), "output_dir": str(out), "plan": steps,
-               "prepare": prepare(cfg, out)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary["prepare"], indent=2))
-    print(f"[pipeline] done: {out / 'summary.json'}")
-    return 0
+    return _run(cfg, home, stages)
+
+
+def _run(cfg, home: Path, stages) -> int:
+    from dlite.config import config_hash, to_yaml
+    from pipelines import results, tracking
+    from pipelines.dag import Context, execute
+    from pipelines.runners import RUNNERS
+    t0 = time.time()
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.yaml").write_text(to_yaml(cfg))
+    parent = tracking.open_parent(cfg, home, home.name, {"dlite.config_hash": config_hash(cfg)})
+    print(f"[pipeline] MLflow: {tracking.run_link(cfg.tracking.uri, parent)}", flush=True)
+    try:
+        done = execute(Context(cfg, parent, lambda line: print(line, flush=True)), stages, RUNNERS)
+    except BaseException:
+        tracking.finish(cfg.tracking.uri, parent, "FAILED")
+        raise
+    summary = results.finish(cfg, home, parent, stages, done, time.time() - t0)
+    print(results.results_table(done))
+    print(f"[pipeline] MLflow run: {summary['mlflow_link']}")
+    print(f"[pipeline] done in {summary['seconds']:.0f}s: {home / 'summary.json'}")
+    lossless = done.get("evaluate", {}).get("lossless", True)
+    return 0 if lossless else 1
 
 
 if __name__ == "__main__":

@@ -25,6 +25,14 @@ def repo_root() -> Path:
     return ROOT
 
 
+@pytest.fixture(scope="session")
+def smoke_pipeline() -> list:
+    """Overrides that run the whole pipeline of the embedded default in a few minutes."""
+    return ["data.n_train=16", "train.batch_size=2", "train.steps_teacher=4", "train.steps_align=4",
+            "train.steps_dspark=4", "train.eval_every=2", "eval.n_trajectories=2", "eval.max_turns=2",
+            "eval.max_new_tokens=16", "eval.speed_trajectories=1"]
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Tiny ops on a shared 2-core machine run ~10x faster single-threaded: intra-op
@@ -56,7 +64,7 @@ def mlflow_server(tmp_path_factory):
          "--artifacts-destination", str(root / "artifacts")],
         stdout=log, stderr=subprocess.STDOUT, cwd=root)
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # a loaded 2-core machine takes minutes to import it
     while True:
         try:
             with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:

@@ -34,6 +34,7 @@ class EvalArgs:
     buckets: Sequence[int] = metrics.DEFAULT_BUCKETS
     max_context: Optional[int] = None   # longer histories are skipped (and counted)
     max_turns: Optional[int] = None     # assistant turns per record, None = all
+    turn_pick: str = "first"            # which max_turns: "first" or "spread" (to the last)
     seed: int = 0
     warmup: bool = True                 # one untimed short run of each loop first
 
@@ -63,15 +64,26 @@ def render_ids(tokenizer, messages: List[dict], tools=None) -> List[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def iter_tasks(tokenizer, record: dict, max_turns: Optional[int] = None) -> Iterator[dict]:
+def pick_turns(n: int, max_turns: Optional[int], how: str = "first") -> List[int]:
+    """Which of n turns to replay: the first `max_turns`, or `max_turns` spread evenly
+    from the first to the last (histories of every length, the longest included)."""
+    if max_turns is None or max_turns >= n:
+        return list(range(n))
+    if how == "first" or max_turns < 2:
+        return list(range(max_turns)) if how == "first" else [n - 1]
+    return sorted({round(k * (n - 1) / (max_turns - 1)) for k in range(max_turns)})
+
+
+def iter_tasks(tokenizer, record: dict, max_turns: Optional[int] = None, how: str = "first") -> Iterator[dict]:
     """Yield {"id", "turn", "prompt_ids"} per turn to generate. For `turns` records the
-    consumer must set task["reply_ids"] before asking for the next turn."""
+    consumer must set task["reply_ids"] before asking for the next turn (so those are
+    always replayed from the first turn on)."""
     rid = record.get("id")
     if "messages" in record:
         msgs = record["messages"]
         turns = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
-        for n, i in enumerate(turns[:max_turns]):
-            yield {"id": rid, "turn": n, "prompt_ids": render_ids(tokenizer, msgs[:i], record.get("tools"))}
+        for n in pick_turns(len(turns), max_turns, how):
+            yield {"id": rid, "turn": n, "prompt_ids": render_ids(tokenizer, msgs[:turns[n]], record.get("tools"))}
         return
     history: List[dict] = []
     for n, user in enumerate(record["turns"][:max_turns]):
@@ -139,7 +151,8 @@ def _task_summary(res: dict) -> dict:
             "n_tokens": len(res["spec_ids"])}
 
 
-def _aggregate(results: List[dict], a: EvalArgs, skipped: int) -> dict:
+def aggregate(results: List[dict], skipped: int, a: EvalArgs) -> dict:
+    """Every DLITE.md §4 metric over raw `replay` results."""
     rounds = [r for res in results for r in res["rounds"]]
     gamma = results[0]["gamma"] if results else 0
     tps, tps_e2e = _speed(results), _speed(results, e2e=True)
@@ -169,16 +182,17 @@ def _aggregate(results: List[dict], a: EvalArgs, skipped: int) -> dict:
     }
 
 
-def evaluate_prompts(target, tokenizer, drafter, records: Iterable[dict], args=None, **overrides) -> dict:
+def replay(target, tokenizer, drafter, records: Iterable[dict], args=None, **overrides) -> tuple:
     """Replay every record (trajectory or `turns` prompt) with both loops, interleaved
-    (alternating which goes first), and return the report dict (see `_aggregate`).
+    (alternating which goes first); returns (raw per-task results, skipped turns, args).
+    Raw results of several calls (e.g. parallel workers) concatenate before `aggregate`.
     `drafter` is a drafter or a factory prompt_ids -> drafter."""
     a = resolve_args(args, **overrides)
     a.buckets = tuple(a.buckets)
     eos = (tokenizer.eos_token_id,)
     results, skipped = [], 0
     for rec in records:
-        for task in iter_tasks(tokenizer, rec, a.max_turns):
+        for task in iter_tasks(tokenizer, rec, a.max_turns, a.turn_pick):
             if a.max_context and len(task["prompt_ids"]) > a.max_context:
                 skipped += 1  # counted, never silently dropped
                 continue
@@ -187,4 +201,9 @@ def evaluate_prompts(target, tokenizer, drafter, records: Iterable[dict], args=N
             res = _run_task(target, drafter, task, a, eos, len(results) % 2 == 0, a.seed + len(results))
             task["reply_ids"] = res["plain_ids"]
             results.append(res)
-    return _aggregate(results, a, skipped)
+    return results, skipped, a
+
+
+def evaluate_prompts(target, tokenizer, drafter, records: Iterable[dict], args=None, **overrides) -> dict:
+    """`replay` then `aggregate`: the report dict of one drafter on these records."""
+    return aggregate(*replay(target, tokenizer, drafter, records, args, **overrides))

@@ -1,7 +1,8 @@
-"""`python -m jobs.evaluate` on the embedded target with drafter artifacts saved to disk:
-the report has the DLITE.md §4 metrics, and greedy speculative decoding is token-for-
-token identical to plain decoding over multi-turn trajectories (random-weight DLite
-and DSpark-style drafters here; a trained one in tests/integration)."""
+"""`python -m jobs.evaluate` on the embedded target with two drafter artifacts saved to
+disk (random-weight DLite and DSpark-style; a trained one in tests/unit/test_train_loop):
+one Ray evaluation of both on the same prompts, greedy speculative decoding token-for-
+token identical to plain decoding over multi-turn trajectories, the report's DLITE.md §4
+metrics per method, plots, and an `evaluate` run on a real MLflow server."""
 
 import json
 import subprocess
@@ -32,19 +33,34 @@ def _save_random(cfg, arch, out):
     return out
 
 
-@pytest.mark.parametrize("arch", ["dlite", "dspark"])
-def test_evaluate_report_is_lossless(repo_root, tmp_path, tiny_cfg, arch):
-    d = _save_random(tiny_cfg, arch, tmp_path / arch)
-    out = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--drafter", str(d), "--out", str(out),
+def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_server):
+    dirs = {arch: _save_random(tiny_cfg, arch, tmp_path / arch) for arch in ("dlite", "dspark")}
+    out = tmp_path / "eval" / "report.json"
+    r = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--drafter", str(dirs["dlite"]),
+                        "--drafter", f"baseline={dirs['dspark']}", "--out", str(out),
                         "eval.n_trajectories=2", "eval.max_turns=3", "eval.max_new_tokens=24",
-                        "eval.temperatures=[0.0,1.0]"],
+                        "eval.temperatures=[0.0,1.0]", "eval.speed_trajectories=1",
+                        f"tracking.uri={mlflow_server}", "tracking.experiment=evaluate-cli"],
                        cwd=repo_root, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rep = json.loads(out.read_text())
-    assert rep["lossless"] is True and rep["by_temperature"]["0.0"]["lossless"] is True
-    assert rep["n_tasks"] == 6
-    assert 1.0 <= rep["tau"] <= 8.0 and len(rep["accept_at_k"]) == 7
-    assert rep["tau_by_bucket"] and rep["speedup_vs_ar"] > 0
-    assert set(rep["by_temperature"]) == {"0.0", "1.0"}
+    assert list(rep["methods"]) == ["dlite", "baseline"] and rep["primary"] == "dlite"
+    for m in rep["methods"].values():
+        assert m["lossless"] is True and m["by_temperature"]["0.0"]["lossless"] is True
+        assert m["n_tasks"] == 6 and m["speed_tasks"] == 3  # 2 x 3 turns; 1 x 3 timed alone
+        assert 1.0 <= m["tau"] <= 8.0 and len(m["accept_at_k"]) == 7
+        assert m["tau_by_bucket"] and m["speedup_vs_ar"] > 0
+        assert set(m["by_temperature"]) == {"0.0", "1.0"}
+    assert rep["tau"] == rep["methods"]["dlite"]["tau"] and rep["lossless"] is True
     assert rep["config"]["drafter"]["gamma"] == 7 and rep["env"]["torch"]
+    assert (out.parent / "report-accept_at_k.png").read_bytes()[:4] == b"\x89PNG"
+
+    from mlflow import MlflowClient
+    c = MlflowClient(mlflow_server)
+    exp = c.get_experiment_by_name("evaluate-cli")
+    (run,) = c.search_runs([exp.experiment_id], "tags.`dlite.stage` = 'evaluate'")
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["dlite.greedy.tau"] == pytest.approx(rep["tau"])
+    assert "baseline.t1.accept_at_k.1" in run.data.metrics
+    arts = {a.path for a in c.list_artifacts(run.info.run_id, "evaluation")}
+    assert {"evaluation/report.json", "evaluation/accept_at_k.png", "evaluation/tau_by_bucket.png"} <= arts

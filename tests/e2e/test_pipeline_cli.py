@@ -1,36 +1,83 @@
-"""The README's main job as a user runs it: `python -m jobs.pipeline` in a fresh
-process — dry run, a real run on the embedded default, and a bad key failing fast."""
+"""The README's main job as a user runs it: `python -m jobs.pipeline` in a fresh process —
+dry run, bad input failing fast, and the whole DAG on the embedded default at smoke size
+(collect -> teacher -> align + ablation + DSpark baseline -> evaluate -> publish) against
+a real MLflow server, then a rerun that skips every finished stage and reuses the run."""
 
 import json
 import subprocess
 import sys
 
+import pytest
 
-def _run(repo, tmp_path, *args):
+TRAINED = ["teacher", "align", "align_no_teacher", "dspark"]
+
+
+def _run(repo, *args, timeout=600):
     return subprocess.run([sys.executable, "-m", "jobs.pipeline", *args], cwd=repo,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_dry_run_prints_plan_and_config(repo_root, tmp_path):
-    r = _run(repo_root, tmp_path, "--dry-run", f"run.output_dir={tmp_path}")
+    r = _run(repo_root, "--dry-run", f"run.output_dir={tmp_path}")
     assert r.returncode == 0, r.stderr
-    assert "prepare   run" in r.stdout and "drafter:" in r.stdout
+    for stage in ["collect", *TRAINED, "evaluate", "publish"]:
+        assert f"{stage} " in r.stdout and f"stages/{stage}-" in r.stdout
+    assert "drafter:" in r.stdout
     assert not any(tmp_path.iterdir()), "a dry run must not write anything"
 
 
-def test_bad_key_fails_before_work(repo_root, tmp_path):
-    r = _run(repo_root, tmp_path, "drafter.gamma=1", f"run.output_dir={tmp_path}")
+def test_bad_input_fails_before_work(repo_root, tmp_path):
+    r = _run(repo_root, "drafter.gamma=1", f"run.output_dir={tmp_path}")
     assert r.returncode == 2 and "drafter.gamma" in r.stderr
-    r = _run(repo_root, tmp_path, "train.nope=3")
+    r = _run(repo_root, "train.nope=3")
     assert r.returncode == 2 and "train.nope" in r.stderr
+    r = _run(repo_root, "--only", "align", f"run.output_dir={tmp_path}")
+    assert r.returncode == 2 and "align needs collect" in r.stderr
+    assert not any(tmp_path.iterdir())
 
 
-def test_pipeline_runs_on_embedded_default(repo_root, tmp_path):
-    r = _run(repo_root, tmp_path, f"run.output_dir={tmp_path}", "data.n_train=4", "data.n_heldout=2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    (summary_path,) = tmp_path.glob("*/summary.json")
-    prep = json.loads(summary_path.read_text())["prepare"]
-    assert len(prep["target_fingerprint"]["id"]) == 33
-    lines = (summary_path.parent / "train.jsonl").read_text().splitlines()
-    assert len(lines) == 4 and json.loads(lines[0])["messages"][0]["role"] == "system"
-    assert prep["prompt_tokens"] > 500 and prep["sample"]
+@pytest.fixture(scope="module")
+def pipeline_run(repo_root, tmp_path_factory, mlflow_server, smoke_pipeline):
+    out = tmp_path_factory.mktemp("pipeline")
+    args = [f"run.output_dir={out}", f"tracking.uri={mlflow_server}", "tracking.experiment=pipeline-e2e", *smoke_pipeline]
+    first = _run(repo_root, *args, timeout=1800)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    return out, args, first
+
+
+def test_pipeline_runs_every_stage(pipeline_run, mlflow_server):
+    out, _, first = pipeline_run
+    (summary_path,) = out.glob("tiny-*/summary.json")
+    s = json.loads(summary_path.read_text())
+    ev = s["results"]["evaluate"]
+    assert set(ev["methods"]) == {"dlite", "dlite_no_teacher", "dspark"} and ev["lossless"] is True
+    assert all(1.0 <= m["tau"] <= 8.0 for m in ev["methods"].values())
+    assert "plain decoding" in first.stdout and "MLflow run: http://" in first.stdout
+    assert s["results"]["publish"]["version"]
+
+    from mlflow import MlflowClient
+    c = MlflowClient(mlflow_server)
+    parent = c.get_run(s["mlflow_run"])
+    assert parent.info.status == "FINISHED" and "dlite.tau" in parent.data.metrics
+    kids = c.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(k.data.tags["dlite.stage"] for k in kids) == sorted(
+        ["collect", *TRAINED, "evaluate", "publish"])
+    assert all(k.info.status == "FINISHED" for k in kids)
+    arts = {a.path for a in c.list_artifacts(parent.info.run_id, "pipeline")}
+    assert {"pipeline/summary.json", "pipeline/loss_curves.png"} <= arts
+
+
+def test_rerun_skips_finished_stages(pipeline_run, repo_root, mlflow_server):
+    out, args, _ = pipeline_run
+    again = _run(repo_root, *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("finished earlier") == 7
+    (summary_path,) = out.glob("tiny-*/summary.json")
+    s = json.loads(summary_path.read_text())
+    from mlflow import MlflowClient
+    c = MlflowClient(mlflow_server)
+    exp = c.get_experiment_by_name("pipeline-e2e")
+    parents = c.search_runs([exp.experiment_id], "tags.`dlite.kind` = 'pipeline'")
+    assert [p.info.run_id for p in parents] == [s["mlflow_run"]]  # the restart reused it
+    kids = c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{s['mlflow_run']}'")
+    assert len(kids) == 7  # no stage ran again
