@@ -267,5 +267,7 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
     _require(all(x > 0 for x in b) and b == sorted(set(b)), "eval.buckets",
              f"must be positive and strictly increasing, got {b}")
     _require(0 < e.top_p <= 1, "eval.top_p", f"not in (0, 1]: {e.top_p}")
+    lo, hi = e.min_chars or d.min_chars, e.max_chars or d.max_chars
+    _require(lo <= hi, "eval.min_chars", f"{lo} > eval.max_chars={hi}")
     _require(e.num_workers is None or e.num_workers > 0, "eval.num_workers",
              f"must be > 0 (or null), got {e.num_workers}")

@@ -77,6 +77,8 @@ class EvalConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k filtering
     max_turns: Optional[int] = None    # assistant turns replayed per trajectory (None: all)
+    min_chars: Optional[int] = None  # built-in held-out trajectories' length (None: data.*)
+    max_chars: Optional[int] = None
     turn_pick: str = "first"  # "first" max_turns, or "spread" evenly up to the last (long histories)
     max_context: Optional[int] = None  # longer histories are skipped and counted
     num_workers: Optional[int] = None  # acceptance replay in parallel (None: cluster.num_workers)

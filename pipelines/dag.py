@@ -51,10 +51,10 @@ DEFS = [
     StageDef("collect", (), ("run.seed", "target", "data", "drafter.target_layer_ids", "drafter.gamma")),
     StageDef("teacher", ("collect",), _TRAIN_COMMON + ("train.steps_teacher",)),
     StageDef("align", ("collect", "teacher"), _TRAIN_COMMON + ("train.steps_align", "train.distill_frac")),
-    StageDef("align_no_teacher", ("collect",), _TRAIN_COMMON + ("train.steps_align",)),
+    StageDef("align_no_teacher", ("collect",), _TRAIN_COMMON + ("train.steps_teacher", "train.steps_align")),
     StageDef("dspark", ("collect",), _TRAIN_COMMON + ("train.steps_dspark",)),
     StageDef("evaluate", ("align", "align_no_teacher", "dspark"),
-             ("run.seed", "data.heldout_path", "data.min_chars", "data.max_chars", "eval")),
+             ("run.seed", "target", "data.heldout_path", "data.min_chars", "data.max_chars", "eval")),
     StageDef("publish", ("evaluate", "align"), ("gate", "tracking.registered_model")),
 ]
 BY_NAME = {d.name: d for d in DEFS}

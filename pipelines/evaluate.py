@@ -40,7 +40,8 @@ def heldout_records(cfg) -> list:
         lines = Path(cfg.data.heldout_path).read_text().splitlines()
         return [json.loads(x) for x in lines if x.strip()][:n]
     from dlite.tiny import corpus
-    return list(corpus.generate("heldout", n, cfg.run.seed, cfg.data.min_chars, cfg.data.max_chars))
+    lo, hi = cfg.eval.min_chars or cfg.data.min_chars, cfg.eval.max_chars or cfg.data.max_chars
+    return list(corpus.generate("heldout", n, cfg.run.seed, lo, hi))
 
 
 def method_name(drafter_dir) -> str:

@@ -27,10 +27,17 @@ def collect(ctx, out: Path, deps: dict) -> dict:
             "target_fingerprint": m["target_fingerprint"]["id"], "plan_id": m["plan_id"]}
 
 
-def _train(stage: str, label: str, overrides: dict = None):
+def _no_teacher(cfg) -> dict:
+    """The ablation: DLite trained on the target alone, with the optimiser steps the
+    teacher and align stages spend together (same budget, no teacher)."""
+    t = cfg.train
+    return {"train": {"skip_teacher": True, "steps_align": t.steps_teacher + t.steps_align}}
+
+
+def _train(stage: str, label: str, overrides=None):
     def run(ctx, out: Path, deps: dict) -> dict:
         from pipelines.train import train_stage
-        cfg = OmegaConf.merge(ctx.cfg, overrides) if overrides else ctx.cfg
+        cfg = OmegaConf.merge(ctx.cfg, overrides(ctx.cfg)) if overrides else ctx.cfg
         teacher = deps["teacher"]["drafter"] if "teacher" in deps else None
         s = train_stage(cfg, stage, deps["collect"]["shards"], str(out), teacher=teacher,
                         parent_run_id=ctx.parent_run_id, label=label)
@@ -59,14 +66,14 @@ def publish(ctx, out: Path, deps: dict) -> dict:
     from pipelines.publish import publish as run_publish
     report = json.loads(Path(deps["evaluate"]["report"]).read_text())
     return run_publish(ctx.cfg, deps["align"]["drafter"], report, parent_run_id=ctx.parent_run_id,
-                       method="dlite")
+                       method="dlite", output=str(out))
 
 
 RUNNERS = {
     "collect": collect,
     "teacher": _train("teacher", "teacher"),
     "align": _train("align", "align"),
-    "align_no_teacher": _train("align", "align_no_teacher", {"train": {"skip_teacher": True}}),
+    "align_no_teacher": _train("align", "align_no_teacher", _no_teacher),
     "dspark": _train("dspark", "dspark"),
     "evaluate": evaluate,
     "publish": publish,

@@ -1,0 +1,98 @@
+"""The headline comparison at small scale (DLITE.md §6): DLite vs a DSpark-style drafter
+on agent histories far longer than the training window, same data, same step budget.
+
+One run = the pipeline DAG (collect -> teacher -> align, align_no_teacher, dspark ->
+evaluate; no publish) with these settings on top of the given config:
+  training window  `data.max_seq_len` (1536 by default), long trajectories split into
+                   windows (`data.length_policy=split`) so every token trains
+  budget           B = steps_teacher + steps_align optimiser steps for each method:
+                   DLite spends them as teacher + align, the ablation and the baseline
+                   as B steps of their own (`train.steps_dspark = B`)
+  held-out         built-in held-out trajectories whose histories reach >= 8x the
+                   window (`eval.min_chars/max_chars`), turns spread up to the last one
+Settings are chosen on the training run's own validation rows (teacher-forced
+`val_tau`), never on the held-out trajectories the report measures.
+
+The JSON adds to the evaluation report: per-bucket ratios DLite / DSpark, the goals of
+issue 9 as measured booleans, the teacher stage's effect, and the draft cost per bucket.
+"""
+
+import json
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+STAGES = ["collect", "teacher", "align", "align_no_teacher", "dspark", "evaluate"]
+
+
+def bench_config(cfg, window: int = 1536):
+    """The benchmark's settings over `cfg` (which keeps sizes, steps and the cluster)."""
+    t = cfg.train
+    over = {"run": {"stages": STAGES, "name": f"{cfg.run.name}-quality"},
+            "data": {"max_seq_len": window, "length_policy": "split"},
+            "train": {"steps_dspark": t.steps_teacher + t.steps_align},
+            "eval": {"turn_pick": "spread", "max_context": None,
+                     "min_chars": cfg.eval.min_chars or 8 * window * 7,  # ~7 chars per token here
+                     "max_chars": cfg.eval.max_chars or 16 * 1024 * 8}}
+    from dlite.config import validate
+    out = OmegaConf.merge(cfg, over)
+    validate(out)
+    return out
+
+
+def _ratio(a, b):
+    return None if a is None or not b else round(a / b, 4)
+
+
+def compare(report: dict, window: int) -> dict:
+    """Ratios and goals from the evaluation report (greedy figures)."""
+    m = report["methods"]
+    dl, ds, nt = m.get("dlite"), m.get("dspark"), m.get("dlite_no_teacher")
+    labels = [b for b in dl["bucket_labels"] if b in dl["tau_by_bucket"]]
+    by_bucket = {b: _ratio(dl["tau_by_bucket"].get(b), ds["tau_by_bucket"].get(b)) for b in labels}
+    longest = labels[-1] if labels else None
+    # "Short" = the buckets that lie wholly inside the training window.
+    edges = [0, *dl["settings"]["buckets"]]
+    short = [b for b, hi in zip(dl["bucket_labels"], edges[1:]) if hi <= window and b in labels]
+    return {
+        "dlite_over_dspark_tau_by_bucket": by_bucket,
+        "longest_bucket": longest,
+        "goal_long_tau_ratio_ge_1_3": None if longest is None else (by_bucket[longest] or 0) >= 1.3,
+        "goal_short_tau_ratio_ge_0_97": all((by_bucket[b] or 0) >= 0.97 for b in short) if short else None,
+        "goal_speedup_ge_2": (dl["speedup_vs_ar"] or 0) >= 2.0,
+        "teacher_effect_tau": None if nt is None else _ratio(dl["tau"], nt["tau"]),
+        "draft_ms_by_bucket": {n: r["draft_ms_by_bucket"] for n, r in m.items()},
+        "draft_cache_bytes_by_bucket": {n: r["draft_cache_bytes_by_bucket"] for n, r in m.items()},
+    }
+
+
+def run(cfg, out_json: str, window: int = 1536) -> dict:
+    """Run (or resume) the benchmark's DAG and write the JSON + plots beside `out_json`."""
+    from dlite.config import config_hash
+    from pipelines import results, tracking
+    from pipelines.dag import Context, execute, plan
+    from pipelines.runners import RUNNERS
+    t0, bcfg = time.time(), bench_config(cfg, window)
+    home = Path(bcfg.run.output_dir).resolve() / f"{bcfg.run.name}-{config_hash(bcfg)}"
+    home.mkdir(parents=True, exist_ok=True)
+    stages = plan(bcfg)
+    parent = tracking.open_parent(bcfg, home, home.name, {"dlite.kind": "benchmark", "dlite.benchmark": "quality"})
+    done = execute(Context(bcfg, parent, lambda line: print(line, flush=True)), stages, RUNNERS)
+    report = json.loads(Path(done["evaluate"]["report"]).read_text())
+    out = Path(out_json).resolve()
+    bench = {**{k: v for k, v in report.items() if k not in ("config", "env")},
+             "comparison": compare(report, window), "training_window": window,
+             "steps": {s: done[s].get("steps") for s in ("teacher", "align", "align_no_teacher", "dspark")},
+             "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align", "align_no_teacher", "dspark")},
+             "seconds": round(time.time() - t0, 1), "mlflow_run": parent,
+             "config": report["config"], "env": report["env"]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(bench, indent=2, default=str) + "\n")
+    from pipelines import plots
+    pngs = [plots.tau_by_bucket_plot(report["methods"], out.with_name(f"{out.stem}-tau_by_bucket.png")),
+            plots.accept_at_k_plot(report["methods"], out.with_name(f"{out.stem}-accept_at_k.png"))]
+    for f in [out, *pngs]:
+        tracking.log_artifact(bcfg.tracking.uri, parent, f, "benchmark")
+    results.finish(bcfg, home, parent, stages, done, time.time() - t0)
+    return bench
