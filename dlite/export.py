@@ -37,8 +37,8 @@ def drafter_config_dict(model, extra_config: dict) -> dict:
 
 def model_card(config: dict, card_sections: Optional[Dict[str, str]] = None) -> str:
     """A minimal card; `card_sections` (title -> markdown) adds e.g. the evaluation table."""
-    sections = {"Evaluation": "Not evaluated yet."}
-    sections.update(card_sections or {})
+    sections = dict(card_sections or {})  # in the caller's order
+    sections.setdefault("Evaluation", "Not evaluated yet.")
     target = config.get("target_name", config.get("target_fingerprint", "unknown target"))
     lines = [
         f"# {config['architecture']} drafter for {target}", "",
