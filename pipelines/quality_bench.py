@@ -32,9 +32,10 @@ def bench_config(cfg, window: int = 1536):
     over = {"run": {"stages": STAGES, "name": f"{cfg.run.name}-quality"},
             "data": {"max_seq_len": window, "length_policy": "split"},
             "train": {"steps_dspark": t.steps_teacher + t.steps_align},
-            "eval": {"turn_pick": "spread", "max_context": None,
-                     "min_chars": cfg.eval.min_chars or 8 * window * 7,  # ~7 chars per token here
-                     "max_chars": cfg.eval.max_chars or 16 * 1024 * 8}}
+            # The built-in corpus renders ~3.3 characters per token: 40-52K characters
+            # put the last turns' histories at 12-16K tokens, 8-10x a 1536 window.
+            "eval": {"turn_pick": "spread", "max_turns": 4, "max_context": None,
+                     "min_chars": cfg.eval.min_chars or 40000, "max_chars": cfg.eval.max_chars or 52000}}
     from dlite.config import validate
     out = OmegaConf.merge(cfg, over)
     validate(out)
