@@ -38,3 +38,135 @@ def random_target(tmp_path_factory) -> str:
     for f in tiny.TOKENIZER_PATH.iterdir():
         shutil.copy(f, out / f.name)
     return str(out)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_head(repo_root):
+    """A real `ray start --head` cluster (dashboard on) for job submission; yields its
+    job API address `http://127.0.0.1:<dashboard port>` for `JobSubmissionClient` /
+    `ray job submit --address`.
+
+    - 2 logical CPUs, like `ray_session`: a whole pipeline submitted as a job needs its
+      two Ray Train workers (cluster.num_workers=2) to fit.
+    - A head that fails to start is retried (4 tries) on new ports: a port taken since
+      it was picked, or -- seen on a loaded 2-core machine -- a raylet that waits for
+      its Python agents longer than the 30 s `ray start` allows it to register.
+    - Every port is a free one and the temp dir is private and short (Unix socket
+      paths are limited to 107 bytes), so it coexists with the in-process
+      `ray_session` and with other Ray clusters on the machine. Logs:
+      <temp dir>/start.log and <temp dir>/session_latest/logs (kept if the head dies).
+    - Job entrypoints run `python` from PATH: the venv's bin dir is put first so it is
+      this interpreter. `RAY_AUTH_MODE=disabled` (it listens on 127.0.0.1 only):
+      otherwise an existing ~/.ray/auth_token silently turns token auth on. Jobs
+      inherit it, so a job's `ray.init()` joins without a token.
+    - `ray stop` would stop every Ray of this user, so the head runs as
+      `ray start --block` in a session of its own: teardown stops unfinished jobs,
+      SIGTERMs that process (it stops what it started; job drivers die with their
+      supervisor) and SIGKILLs whatever of its session is left after 30 s.
+    """
+    import signal
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    tmp = Path(tempfile.mkdtemp(prefix="dlite-rayhead-", dir="/tmp"))
+    attempts = 4
+    for attempt in range(attempts):
+        head, address = _start_head(tmp)
+        try:
+            _wait_for_jobs_api(address, head, tmp / "start.log")
+            break
+        except RuntimeError:
+            died = head.poll() is not None  # a start that failed, not one still going
+            _kill_session(head.pid)
+            if attempt == attempts - 1 or not died:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    try:
+        yield address
+    finally:
+        died = head.poll() is not None  # under the tests' feet: keep its logs
+        _stop_jobs(address)
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        _kill_session(head.pid)
+        if died:
+            print(f"ray_head: the head exited early (code {head.returncode}); logs kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _start_head(tmp):
+    import subprocess
+    import sys
+    from pathlib import Path
+    ports = {k: _free_port() for k in (
+        "port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
+        "node-manager-port", "object-manager-port")}
+    venv_bin = str(Path(sys.executable).parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PATH=os.pathsep.join([venv_bin, env.get("PATH", "")]), RAY_AUTH_MODE="disabled",
+               RAY_USAGE_STATS_ENABLED="0")
+    cmd = [str(Path(venv_bin) / "ray"), "start", "--head", "--block", "--num-cpus", "2",
+           "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+           "--disable-usage-stats", "--temp-dir", str(tmp),
+           *[a for k, v in ports.items() for a in (f"--{k}", str(v))]]
+    with open(tmp / "start.log", "w") as log:  # the child keeps its own descriptor
+        head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=env,
+                                start_new_session=True)
+    return head, f"http://127.0.0.1:{ports['dashboard-port']}"
+
+
+def _wait_for_jobs_api(address: str, head, log_path, timeout: float = 300.0) -> None:
+    """Up when `ray start` says it started (the dashboard answers before that, and a
+    raylet slower than Ray's fixed 30 s still fails the start) and the job API answers."""
+    import time
+    import urllib.request
+    deadline = time.time() + timeout
+    while True:
+        if "block forever" in log_path.read_text():  # `--block` prints it once started
+            try:
+                with urllib.request.urlopen(f"{address}/api/jobs/", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+        if head.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"ray head did not start: {log_path.read_text()[-3000:]}")
+        time.sleep(1)
+
+
+def _stop_jobs(address: str) -> None:
+    try:
+        from ray.job_submission import JobSubmissionClient
+        client = JobSubmissionClient(address)
+        for job in client.list_jobs():
+            if job.submission_id and not job.status.is_terminal():
+                client.stop_job(job.submission_id)
+    except Exception as e:  # noqa: BLE001 -- teardown goes on to kill the processes anyway
+        print(f"ray_head teardown: could not stop jobs: {e}")
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL the processes left in the head's session (Ray workers keep it; job
+    drivers start their own and die with their supervisor)."""
+    import signal
+    from pathlib import Path
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(proc.name)) == sid:
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
