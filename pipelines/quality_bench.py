@@ -70,13 +70,14 @@ def compare(report: dict, window: int) -> dict:
 
 def run(cfg, out_json: str, window: int = 1536) -> dict:
     """Run (or resume) the benchmark's DAG and write the JSON + plots beside `out_json`."""
-    from dlite.config import config_hash
+    from dlite.config import config_hash, to_yaml
     from pipelines import results, tracking
     from pipelines.dag import Context, execute, plan
     from pipelines.runners import RUNNERS
     t0, bcfg = time.time(), bench_config(cfg, window)
     home = Path(bcfg.run.output_dir).resolve() / f"{bcfg.run.name}-{config_hash(bcfg)}"
     home.mkdir(parents=True, exist_ok=True)
+    (home / "config.yaml").write_text(to_yaml(bcfg))
     stages = plan(bcfg)
     parent = tracking.open_parent(bcfg, home, home.name, {"dlite.kind": "benchmark", "dlite.benchmark": "quality"})
     done = execute(Context(bcfg, parent, lambda line: print(line, flush=True)), stages, RUNNERS)
