@@ -7,7 +7,13 @@ DLite and the DSpark-style baseline, same process, interleaved; plus parameter c
 of the Qwen3-4B/8B-shaped drafters.
 `collect`: capture overhead, stored bytes/token per storage mode x reference vs the
 DeepSpec layout, and collect-stage throughput with 1 and 2 actors.
-More benchmarks join as their stages land.
+`train`: engine_overhead (Ray Train + DeepSpeed, 2 CPU workers, vs a plain loop), the
+same-math check (1 worker vs the plain loop) and the teacher-stage ablation (student
+val_tau after teacher -> align vs align with `train.skip_teacher=true`), on shards it
+collects itself.
+`quality`: the headline comparison (issue 9): DLite, DLite without the teacher stage and
+the DSpark-style baseline, same data and step budget, trained on a 1536-token window and
+evaluated on held-out histories up to 16K tokens; ratios, goals, draft cost; plots.
 """
 
 import json
@@ -44,7 +50,21 @@ def collect(cfg, args) -> dict:
     return run(cfg, records=n, repetitions=min(args.rounds, 5), collect_records=n)
 
 
-BENCHMARKS = {"draft_cost": draft_cost, "collect": collect}
+def train(cfg, args) -> dict:
+    # Sizes are config: data.n_train / n_heldout records, train.steps_dspark for the
+    # engine comparison, train.steps_teacher / steps_align for the ablation.
+    from pipelines.train_bench import benchmark
+    return benchmark(cfg, args.work_dir)
+
+
+def quality(cfg, args) -> dict:
+    # DLite vs DSpark-style vs no-teacher on histories >= 8x the training window
+    # (the pipeline DAG with the settings of pipelines/quality_bench.py); plots beside --out.
+    from pipelines.quality_bench import run
+    return run(cfg, args.out)
+
+
+BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality}
 
 
 def main(argv=None) -> int:
@@ -59,6 +79,7 @@ def main(argv=None) -> int:
         p.add_argument("--rounds", type=int, default=20)
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--context-lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+        p.add_argument("--work-dir", default=None, help="train: keep shards, runs, MLflow store here")
 
     name, (args, cfg) = argv[0], parse_args(argv[1:], extra)
     if args.dry_run:

@@ -3,11 +3,12 @@
     python -m jobs.train --config FILE --stage teacher|align|dspark --input SHARDS
         --output DIR [--teacher DIR] [--heldout SHARDS] [--parent-run-id ID] [key=value ...]
 
-`--input` is a finished `full`-mode collection (`python -m jobs.collect`) of this
-target. `align` needs `--teacher` (the teacher stage's `--output`) unless
-`train.skip_teacher=true`. `--heldout` validates on another collection (default: a
-hash-chosen tenth of the input's records, kept out of training). The best drafter by
-validation tau lands in `DIR/drafter/`, resume state in `DIR/resume/` (or under
+`--input` is a finished collection (`python -m jobs.collect`) of this target, `full`
+storage (`anchors` only for `align` with `train.skip_teacher=true`). `align` needs
+`--teacher` (the teacher stage's `--output`) unless `train.skip_teacher=true`.
+`--heldout` validates on another collection (default: a hash-chosen tenth of the
+input's records, kept out of training). The best drafter by validation tau lands in
+`DIR/drafter/`, resume state in `DIR/resume/` (or under
 `cluster.storage_uri`), the summary in `DIR/train.json`. Rerunning the same command
 resumes an interrupted stage from its latest checkpoint; a finished one is returned.
 """

@@ -5,10 +5,10 @@ plus `save` / `load` of the full resume state (weights, optimizer partitions, co
 
 Settings come from our config, never from a DeepSpeed JSON: `train.zero_stage`,
 `train.precision`, `train.batch_size` per worker, `train.grad_accum`, `train.grad_clip`.
-`resolve` reads a null stage / precision as the accelerator's default (ZeRO-2 + bf16 on
-GPU, ZeRO-0 + fp32 on CPU); the schema still defaults them to 0 / fp32, so a GPU
-experiment sets them. The optimiser is ours (`dlite.train.optim.adamw`), so a DeepSpeed
-run and a plain run do the same math (`pipelines/train_bench.py` checks it).
+`resolve` reads a null stage / precision (the schema's default) as the accelerator's
+default: ZeRO-2 + bf16 on GPU, ZeRO-0 + fp32 on CPU. The optimiser is ours
+(`dlite.train.optim.adamw`), so a DeepSpeed run and a plain run do the same math
+(`pipelines/train_bench.py` checks it).
 Needs torch.distributed already initialised (Ray Train's TorchConfig does it)."""
 
 import contextlib

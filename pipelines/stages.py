@@ -1,8 +1,9 @@
 """What a training stage reads, decided before any Ray work starts (no Ray here, so
 the single-process benchmark path reads exactly the same rows):
 
-- `check_inputs`  the shards are a finished `full` collection of this target with the
-                  drafter's layers, and the align stage has its teacher
+- `check_inputs`  the shards are a finished collection of this target with the
+                  drafter's layers, stored `full` unless the stage reads anchors only
+                  (`require_full`), and the align stage has its teacher
 - `split_inputs`  which records are held out for validation, how many rows train, and
                   for a small collection the training rows as one Arrow table (read once,
                   cached in the object store by the Ray path; streamed when large)
@@ -34,12 +35,30 @@ def cache_bytes(cfg) -> int:
     return int(cfg.data.cache_bytes)
 
 
-def check_inputs(cfg, plan: st.StagePlan, input_uri: str, teacher: Optional[str]) -> dict:
+def require_full(plan: st.StagePlan) -> Optional[str]:
+    """Why the stage needs `full` shards, or None when `anchors` ones do: the DLite
+    student against the target reads features at its anchors only, while the teacher
+    and DSpark attend to the whole history, and distillation runs the teacher."""
+    if plan.arch != "dlite":
+        return f"the {plan.stage} stage ({plan.arch}) attends to every position's features"
+    if plan.needs_teacher:
+        return ("the align stage distils the teacher, which reads every position's features "
+                "(train.skip_teacher=true trains the student on anchors alone)")
+    return None
+
+
+def check_inputs(cfg, plan: st.StagePlan, input_uri: str, teacher: Optional[str],
+                 heldout: Optional[str] = None) -> dict:
     """Everything that would fail late; returns the input's manifest."""
-    m = shards.read_manifest(input_uri, target.fingerprint(cfg.target))
-    if m["storage_mode"] != "full":
-        raise TrainError(f"--input {input_uri}: storage_mode {m['storage_mode']!r}; training "
-                         f"reads `full` shards (the teacher needs every position's features)")
+    fp = target.fingerprint(cfg.target)
+    m = shards.read_manifest(input_uri, fp)
+    held = shards.read_manifest(heldout, fp) if heldout else {"storage_mode": "full"}
+    for flag, uri, mode in (("--input", input_uri, m["storage_mode"]),
+                            ("--heldout", heldout, held["storage_mode"])):
+        why = require_full(plan) if mode == "anchors" else None
+        if why:
+            raise TrainError(f"{flag} {uri}: storage_mode 'anchors' keeps features at the sampled "
+                             f"anchors only, but {why}; collect with data.storage_mode=full")
     if list(m["layer_ids"]) != list(cfg.drafter.target_layer_ids):
         raise TrainError(f"drafter.target_layer_ids {list(cfg.drafter.target_layer_ids)} but the "
                          f"shards captured {m['layer_ids']}")

@@ -25,7 +25,14 @@ the next step; a rerun of the job with the same output resumes the same way.
 Fault injection for tests: `DLITE_TRAIN_CRASH_AT_STEP=N` (read by the driver) makes
 rank 1 (rank 0 alone) `os._exit(1)` after step N, once per output dir (marker file).
 Tracking: rank 0 logs loss (total, per slot), lr, throughput and validation to the
-stage's MLflow run, a child of the driver's `parent_run_id` when given."""
+stage's MLflow run, a child of the driver's `parent_run_id` when given, buffered and
+sent every `FLUSH_S` seconds and at every checkpoint.
+
+Per-worker speed (see `pipelines/train_bench.py`): a small collection is replayed from
+each worker's memory after the first epoch instead of a streaming split per epoch;
+ranks run at normal CPU priority (`_renice`); rank 0 does not wait on a tracking write
+per step. Shards: `full`, or `anchors` for the DLite student without the teacher
+(`pipelines.stages.require_full`)."""
 
 import hashlib
 import json
@@ -42,10 +49,9 @@ import ray.train.torch
 import torch
 from omegaconf import OmegaConf
 
-from dlite.data import shards
 from dlite.export import save_drafter
 from dlite.train import stage as st
-from dlite.train.data import BatchStream
+from dlite.train.data import BatchStream, training_row
 from dlite.train.loop import train_loop
 from dlite.train.step import validate
 from pipelines import tracking
@@ -166,7 +172,8 @@ def _renice() -> None:
     """Back to normal CPU priority where allowed. Ray starts worker processes at nice
     15 so its own daemons stay responsive; a training rank is the job itself, and on a
     node shared with other work (CI, a laptop) it would otherwise lose every scheduling
-    contest and run far slower than the same loop in a plain process."""
+    contest and run far slower than the same loop in a plain process. Linux niceness
+    is per thread: this covers the calling (training) thread and threads it starts."""
     try:
         os.setpriority(os.PRIO_PROCESS, 0, 0)
     except (PermissionError, OSError):
@@ -185,7 +192,7 @@ def _worker(conf: dict) -> None:
     engine = DeepSpeedEngine(st.build_model(cfg, plan, vocab, teacher, device), cfg.train, world)
     teacher = teacher.to(engine.dtype) if teacher is not None else None
     start = _resume(engine)
-    decode = lambda row: shards.decode_row(row, conf["manifest"])  # noqa: E731
+    decode = lambda row: training_row(row, conf["manifest"])  # noqa: E731
     rows = _ShardRows(ray.train.get_dataset_shard("train"), conf["cached"])
     stream = BatchStream(rows, cfg.train.batch_size,
                          cfg.data.anchors_per_seq, cfg.run.seed, conf["shuffle_buffer"], decode,
@@ -254,7 +261,7 @@ def train_stage(cfg, stage: str, input_uri: str, output: str, teacher: Optional[
     done = st.read_json(out / DONE)
     if done:
         return done
-    manifest = check_inputs(cfg, plan, input_uri, teacher)
+    manifest = check_inputs(cfg, plan, input_uri, teacher, heldout)
     inputs = split_inputs(cfg, input_uri, heldout, manifest)
     init_ray(cfg)
     train_ds = _dataset(input_uri, inputs, manifest["target_fingerprint"])

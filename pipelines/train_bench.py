@@ -1,29 +1,49 @@
-"""Benchmark `train` (for `python -m jobs.benchmark train`): what the distributed engine
-costs, and proof that it computes the same thing.
+"""Benchmark `train` (`python -m jobs.benchmark train`): what the distributed engine
+costs, proof that it computes the same thing, and what the teacher stage buys. One run
+collects its own shards from the built-in corpus (`data.n_train` train records, the
+held-out split's `data.n_heldout` for validation), then measures:
 
 - `engine_overhead`: plain single-process samples/s over Ray Train + DeepSpeed samples/s
-  per worker (2 CPU workers, ZeRO stage from the config), on the same shards, both after
-  their first (warm-up) step; the plain loop gets as many torch threads as a worker (1 on
-  CPU), so the figure is the price of the engine -- gradient all-reduce, ZeRO, Ray Data
-  ingest -- not of the core count. 1.0 = free; 1.25 = a worker is 25% slower.
+  per worker (`cluster.num_workers`, 2 on the embedded default; ZeRO stage from the
+  config), `dspark` stage for `train.steps_dspark` steps, on the same shards. Both rates
+  skip the first (warm-up) step and exclude validation/checkpoints. The plain loop runs
+  before AND after the engine run and its mean is the reference, so load that comes
+  and goes on a shared machine hits both sides alike. The plain loop gets as many torch
+  threads as a worker (1 on CPU). 1.0 = free; 1.25 = a worker is 25% slower. On a
+  machine with as many cores as workers this also holds what N busy processes cost
+  each other, so two more figures split it: `parallel_plain_share` (N plain loops at
+  once in N processes against one alone: the machine's part) and
+  `engine_overhead_vs_parallel_plain` (the engine's own part: gradient all-reduce,
+  ZeRO, Ray Data ingest, Ray's daemons, waiting for the slowest rank); and
+  `engine_overhead_cpu` compares CPU seconds per sample, which load does not inflate.
 - `same_math`: the DeepSpeed path on 1 worker (ZeRO-1, fp32, same seed, same rows in
-  the same order) against the plain loop: training loss of the last step and validation
-  loss after N steps, relative difference within `SAME_MATH_RTOL`.
+  the same order) against the plain loop: training loss of the last step and
+  validation loss after N steps, relative difference within `SAME_MATH_RTOL`.
+- `teacher_ablation`: teacher-forced validation tau (`val_tau`, best checkpoint and
+  last step) of the DLite student trained through the real stages (Ray Train +
+  DeepSpeed) after teacher -> align, against align with `train.skip_teacher=true`.
+  Budget accounting, both reported: `no_teacher_same_student_steps` gets
+  `train.steps_align` steps (the teacher's steps are extra compute for the other arm);
+  `no_teacher_same_total_steps` gets `steps_teacher + steps_align` steps.
 
-Both paths are built from `dlite.train.stage` and read rows via `pipelines.stages`;
-the only differences are the engine and where the rows come from."""
+Every path is built from `dlite.train.stage` and reads rows via `pipelines.stages`; the
+plain and engine paths differ only in the engine and where the rows come from."""
 
+import multiprocessing
+import os
+import shutil
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
 
-from dlite.data import shards
 from dlite.envinfo import env_info
 from dlite.train import stage as st
-from dlite.train.data import BatchStream
+from dlite.train.data import BatchStream, training_row
 from dlite.train.loop import train_loop
 from dlite.train.optim import PlainEngine
 from dlite.train.step import validate
@@ -33,14 +53,17 @@ from pipelines.stages import TrainError, check_inputs, shuffle_buffer, split_inp
 # than per-tensor torch, so bitwise equality is not expected; 1e-4 relative is orders of
 # magnitude below what a wrong scale, a missed step or a data mix-up would give.
 SAME_MATH_RTOL = 1e-4
+ENGINE_STAGE = "dspark"  # sized by train.steps_dspark, which the ablation leaves alone
 
 
 def plain_stage(cfg, stage: str, input_uri: str, teacher: Optional[str] = None,
-                heldout: Optional[str] = None, threads: int = 1) -> dict:
+                heldout: Optional[str] = None, threads: int = 1, barrier=None) -> dict:
     """The stage in this process with the plain engine: the rows of one DeepSpeed
-    worker of a 1-worker run, in the same order. Returns the last step's metrics."""
+    worker of a 1-worker run, in the same order. Returns the last step's metrics.
+    `barrier` (a multiprocessing one) is passed by every copy of a parallel run just
+    before its loop, so their timed steps overlap."""
     plan = st.plan_stage(cfg, stage)
-    manifest = check_inputs(cfg, plan, input_uri, teacher)
+    manifest = check_inputs(cfg, plan, input_uri, teacher, heldout)
     inputs = split_inputs(cfg, input_uri, heldout, manifest)
     if inputs.table is None:
         raise TrainError(f"{input_uri}: larger than data.cache_bytes; the plain loop holds its rows")
@@ -51,10 +74,12 @@ def plain_stage(cfg, stage: str, input_uri: str, teacher: Optional[str] = None,
     engine = PlainEngine(st.build_model(cfg, plan, vocab, teacher_model), t.lr, t.weight_decay,
                          t.grad_clip, t.grad_accum)
     stream = BatchStream(lambda epoch: rows, t.batch_size, cfg.data.anchors_per_seq, cfg.run.seed,
-                         shuffle_buffer(cfg), lambda r: shards.decode_row(r, manifest))
+                         shuffle_buffer(cfg), lambda r: training_row(r, manifest))
     val = st.val_batches(st.heldout_rows(**inputs.val), t.batch_size)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    if barrier is not None:
+        barrier.wait()
     try:
         return train_loop(engine, stream, st.loop_config(cfg, plan), teacher=teacher_model,
                           validate=lambda model: validate(model, val))
@@ -62,10 +87,29 @@ def plain_stage(cfg, stage: str, input_uri: str, teacher: Optional[str] = None,
         torch.set_num_threads(before)
 
 
-def _engine_stage(cfg, stage, input_uri, out: Path, teacher, heldout, workers: int, zero: int) -> dict:
+def _plain_copy(cfg: dict, stage: str, input_uri: str, heldout: Optional[str], barrier) -> dict:
+    return plain_stage(OmegaConf.create(cfg), stage, input_uri, heldout=heldout, barrier=barrier)
+
+
+def parallel_plain(cfg, stage: str, input_uri: str, heldout: Optional[str], n: int) -> list:
+    """n plain loops at once, one process each: what n single-thread processes get
+    from this machine with no engine at all (shared cores, caches, memory bandwidth)."""
+    ctx = multiprocessing.get_context("spawn")
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    with ctx.Manager() as manager, ProcessPoolExecutor(n, mp_context=ctx) as pool:
+        barrier = manager.Barrier(n)
+        futures = [pool.submit(_plain_copy, conf, stage, input_uri, heldout, barrier) for _ in range(n)]
+        return [f.result() for f in futures]
+
+
+def _engine_stage(cfg, stage, input_uri, out: Path, teacher=None, heldout=None, **train) -> dict:
+    """The real stage (Ray Train + DeepSpeed) with `train.*` / `cluster.*` overrides."""
     from pipelines.train import train_stage
-    over = OmegaConf.merge(cfg, {"cluster": {"num_workers": workers}, "train": {"zero_stage": zero}})
-    return train_stage(over, stage, input_uri, str(out), teacher=teacher, heldout=heldout)["final"]
+    workers = train.pop("workers", cfg.cluster.num_workers)
+    over = OmegaConf.merge(cfg, {"cluster": {"num_workers": workers}, "train": train})
+    t0 = time.time()
+    summary = train_stage(over, stage, input_uri, str(out), teacher=teacher, heldout=heldout)
+    return {**summary, "wall_s": time.time() - t0}
 
 
 def _rel(a: float, b: float) -> float:
@@ -80,21 +124,89 @@ def same_math(plain: dict, engine: dict) -> dict:
             "ok": all(d <= SAME_MATH_RTOL for d in diffs.values())}
 
 
-def run(cfg, input_uri: str, work_dir: str, stage: str = "teacher", teacher: Optional[str] = None,
-        heldout: Optional[str] = None, workers: int = 2) -> dict:
-    """Both measurements; `work_dir` holds the two engine runs' outputs (fresh dirs)."""
-    work = Path(work_dir) / f"train-bench-{int(time.time())}"
-    steps = st.plan_stage(cfg, stage).steps
-    plain = plain_stage(cfg, stage, input_uri, teacher, heldout)
-    one = _engine_stage(cfg, stage, input_uri, work / "ds1", teacher, heldout, 1, 1)
-    many = _engine_stage(cfg, stage, input_uri, work / f"ds{workers}", teacher, heldout, workers,
-                         cfg.train.zero_stage)
-    per_worker = many["samples_per_s_avg"]
-    return {"engine_overhead": plain["samples_per_s_avg"] / per_worker,
-            "engine_overhead_1worker": plain["samples_per_s_avg"] / one["samples_per_s_avg"],
-            "samples_per_s_plain": plain["samples_per_s_avg"],
+def _mean(runs: list, key: str) -> float:
+    return sum(r[key] for r in runs) / len(runs)
+
+
+def engine_overhead(cfg, input_uri: str, work: Path, heldout: Optional[str] = None,
+                    stage: str = ENGINE_STAGE) -> dict:
+    """Plain loop, N-worker engine, N plain loops at once, plain loop again, then the
+    1-worker same-math run. Besides the goal figure (solo plain loop over a worker):
+    `parallel_plain_share` = what the machine alone takes from N concurrent processes,
+    `engine_overhead_vs_parallel_plain` = the engine's own price on top of it, and
+    `engine_overhead_cpu` = CPU seconds per sample, worker over plain (robust to load)."""
+    workers, rate = cfg.cluster.num_workers, "samples_per_s_avg"
+    plain = [plain_stage(cfg, stage, input_uri, heldout=heldout)]
+    many = _engine_stage(cfg, stage, input_uri, work / f"ds{workers}", heldout=heldout)["final"]
+    parallel = parallel_plain(cfg, stage, input_uri, heldout, workers) if workers > 1 else plain
+    plain.append(plain_stage(cfg, stage, input_uri, heldout=heldout))
+    one = _engine_stage(cfg, stage, input_uri, work / "ds1", heldout=heldout, workers=1,
+                        zero_stage=1, precision="fp32")["final"]
+    solo, per_worker = _mean(plain, rate), many[rate]
+    return {"engine_overhead": solo / per_worker, "engine_overhead_1worker": solo / one[rate],
+            "engine_overhead_vs_parallel_plain": _mean(parallel, rate) / per_worker,
+            "parallel_plain_share": solo / _mean(parallel, rate),
+            "engine_overhead_cpu": many["cpu_s_per_sample_avg"] / _mean(plain, "cpu_s_per_sample_avg"),
+            "samples_per_s_plain": solo, "samples_per_s_plain_runs": [p[rate] for p in plain],
+            "samples_per_s_parallel_plain": [p[rate] for p in parallel],
             "samples_per_s_per_worker": per_worker, "samples_per_s_total": per_worker * workers,
-            "workers": workers, "steps": steps, "stage": stage, "same_math": same_math(plain, one),
+            "samples_per_s_1worker": one[rate], "load_avg_1min": os.getloadavg()[0],
+            "workers": workers, "steps": st.plan_stage(cfg, stage).steps, "stage": stage,
+            "same_math": same_math(plain[0], one)}
+
+
+def _arm(summary: dict) -> dict:
+    best, final = summary["best"], summary["final"]
+    return {"steps": summary["steps"], "val_tau_best": best.get("val_tau"),
+            "val_tau_last": final.get("val_tau"), "val_loss_last": final.get("val_loss"),
+            "samples_per_s_per_worker": final.get("samples_per_s_avg"), "wall_s": summary["wall_s"]}
+
+
+def teacher_ablation(cfg, input_uri: str, work: Path, heldout: str) -> dict:
+    """teacher -> align against align without the teacher, at both step budgets."""
+    t = cfg.train
+    teacher = _engine_stage(cfg, "teacher", input_uri, work / "teacher", heldout=heldout)
+    arms = {"with_teacher": _engine_stage(cfg, "align", input_uri, work / "align", heldout=heldout,
+                                          teacher=str(work / "teacher")),
+            "no_teacher_same_student_steps": _engine_stage(
+                cfg, "align", input_uri, work / "align_nt", heldout=heldout, skip_teacher=True),
+            "no_teacher_same_total_steps": _engine_stage(
+                cfg, "align", input_uri, work / "align_nt_total", heldout=heldout, skip_teacher=True,
+                steps_align=t.steps_teacher + t.steps_align)}
+    out = {"teacher": _arm(teacher), **{k: _arm(v) for k, v in arms.items()}}
+    tau = {k: out[k]["val_tau_best"] for k in arms}
+    out["delta_val_tau_vs_same_student_steps"] = tau["with_teacher"] - tau["no_teacher_same_student_steps"]
+    out["delta_val_tau_vs_same_total_steps"] = tau["with_teacher"] - tau["no_teacher_same_total_steps"]
+    out["budget"] = (f"with_teacher: {t.steps_teacher} teacher + {t.steps_align} student steps "
+                     f"({round(t.distill_frac * t.steps_align)} distilling); no_teacher_same_student_steps: "
+                     f"{t.steps_align}; no_teacher_same_total_steps: {t.steps_teacher + t.steps_align}; "
+                     f"global batch {t.batch_size * t.grad_accum * cfg.cluster.num_workers} sequences/step")
+    return out
+
+
+def collect_inputs(cfg, work: Path) -> tuple:
+    """(train shards, held-out shards) of the built-in corpus, `full` storage."""
+    from pipelines.collect import collect
+    full = OmegaConf.merge(cfg, {"data": {"storage_mode": "full"}})
+    collect(full, "builtin:train", str(work / "shards"))
+    collect(full, "builtin:heldout", str(work / "heldout"))
+    return str(work / "shards"), str(work / "heldout")
+
+
+def benchmark(cfg, work_dir: Optional[str] = None) -> dict:
+    """The whole report. Stage outputs and their MLflow runs (a SQLite store) go to
+    `work_dir`, or to a temporary directory removed afterwards."""
+    work = Path(work_dir or tempfile.mkdtemp(prefix="dlite-train-bench-"))
+    cfg = OmegaConf.merge(cfg, {"tracking": {"uri": f"sqlite:///{work.resolve() / 'mlflow.db'}"}})
+    t0 = time.time()
+    try:
+        train_uri, heldout = collect_inputs(cfg, work)
+        report = engine_overhead(cfg, train_uri, work / "engine", heldout)
+        report["teacher_ablation"] = teacher_ablation(cfg, train_uri, work / "ablation", heldout)
+    finally:
+        if work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return {**report, "wall_s": time.time() - t0,
             "config": OmegaConf.to_container(cfg, resolve=True), "env": _env()}
 
 

@@ -1,12 +1,13 @@
-"""Training batches for the drafter: `collate` turns stored sequences (token ids, loss
-mask, per-position features and reference rows -- `full` storage) into the padded batch
-dict `dlite.train.step.compute_loss` reads, and `BatchStream` turns any per-epoch source
-of rows (a list in memory, `dlite.data.shards.iter_records`, a Ray dataset shard) into
-an endless stream of batches: seeded shuffle buffer, anchors re-sampled every epoch,
-ragged tail dropped, and a position (`epoch`, `taken`) a checkpoint can store and a
-resumed run can skip to. `inprocess_rows` runs the target here (no Ray), for the
-single-process debug path, tests and benchmarks; the collect stage makes the same rows
-at scale."""
+"""Training batches for the drafter: `training_row` decodes a shard row (`full` storage:
+per-position features and reference rows; `anchors` storage: the anchors' feature rows
+and per-block references, for the DLite student only), `collate` turns such rows into
+the padded batch dict `dlite.train.step.compute_loss` reads, and `BatchStream` turns
+any per-epoch source of rows (a list in memory, `dlite.data.shards.iter_records`, a Ray
+dataset shard) into an endless stream of batches: seeded shuffle buffer, anchors
+re-sampled every epoch (`full` rows; `anchors` rows keep theirs), ragged tail dropped,
+and a position (`epoch`, `taken`) a checkpoint can store and a resumed run can skip
+to. `inprocess_rows` runs the target here (no Ray), for the single-process debug path,
+tests and benchmarks; the collect stage makes the same rows at scale."""
 
 import random
 from typing import Callable, Iterable, Iterator, List, Optional
@@ -14,9 +15,29 @@ from typing import Callable, Iterable, Iterator, List, Optional
 import numpy as np
 import torch
 
+from dlite.data import shards
 from dlite.data.anchors import anchor_seed, sample_anchors
 
 DENSE = ("features", "ref_hidden", "topk_ids", "topk_logprobs")
+# anchors storage: reference rows per block [A, gamma, ...], not per position
+BLOCKS = {"ref_hidden": "ref_hidden_blocks", "topk_ids": "topk_ids_blocks",
+          "topk_logprobs": "topk_logprobs_blocks"}
+
+
+def training_row(row: dict, manifest: dict) -> dict:
+    """A shard row decoded for training. An `anchors`-storage row keeps features only at
+    anchors-1 and references per block: its features become a per-position array that
+    is zero elsewhere (the DLite student reads nothing else; the trainer holds a full
+    row's features the same way, so only disk and shard reads shrink), its references
+    move to `*_blocks`, and `fixed_anchors` keeps its stored anchors every epoch."""
+    r = shards.decode_row(row, manifest)
+    if manifest["storage_mode"] != "anchors":
+        return r
+    feats = np.zeros((len(r["input_ids"]), r["features"].shape[1]), r["features"].dtype)
+    feats[r["anchors"].astype(np.int64) - 1] = r["features"]
+    out = {k: v for k, v in r.items() if k not in BLOCKS}
+    return {**out, "features": feats, "fixed_anchors": True,
+            **{b: r[k] for k, b in BLOCKS.items() if k in r}}
 
 
 def collate(rows: List[dict]) -> dict:
@@ -29,10 +50,11 @@ def collate(rows: List[dict]) -> dict:
            "anchors": torch.ones(B, A, dtype=torch.long), "anchor_mask": torch.zeros(B, A, dtype=torch.bool),
            "seq_lens": torch.tensor([len(r["input_ids"]) for r in rows], dtype=torch.long)}
     dense = [k for k in DENSE if k in rows[0]]
-    for k in dense:
+    blocks = [k for k in BLOCKS.values() if k in rows[0]]
+    for k in dense + blocks:
         first = np.asarray(rows[0][k])
-        dtype = torch.long if k == "topk_ids" else torch.float32
-        out[k] = torch.zeros(B, L, *first.shape[1:], dtype=dtype)
+        dtype = torch.long if k.startswith("topk_ids") else torch.float32
+        out[k] = torch.zeros(B, A if k in blocks else L, *first.shape[1:], dtype=dtype)
     for b, r in enumerate(rows):
         n, a = len(r["input_ids"]), len(r["anchors"])
         out["input_ids"][b, :n] = torch.as_tensor(np.asarray(r["input_ids"]))
@@ -41,11 +63,16 @@ def collate(rows: List[dict]) -> dict:
         out["anchor_mask"][b, :a] = True
         for k in dense:
             out[k][b, :n] = torch.as_tensor(np.asarray(r[k])).to(out[k].dtype)
+        for k in blocks:
+            out[k][b, :a] = torch.as_tensor(np.asarray(r[k])).to(out[k].dtype)
     return out
 
 
 def resample(row: dict, n_anchors: int, seed: int, epoch: int) -> dict:
-    """The row with a fresh anchor draw for this epoch (deterministic per row and epoch)."""
+    """The row with a fresh anchor draw for this epoch (deterministic per row and epoch);
+    an `anchors`-storage row keeps its stored anchors (only they have features)."""
+    if row.get("fixed_anchors"):
+        return row
     s = anchor_seed(seed + epoch, str(row.get("id")), int(row.get("part") or 0))
     return {**row, "anchors": sample_anchors(row["loss_mask"], n_anchors, s)}
 

@@ -45,10 +45,14 @@ def flat_metrics(m: dict) -> dict:
     return out
 
 
-def _throughput(dt: float, samples: int, tokens: int, run_samples: int, run_s: float) -> dict:
-    """This step's rates, and the mean rate since the first (warm-up) step."""
-    return {"step_s": dt, "samples_per_s": samples / dt, "tokens_per_s": tokens / dt,
-            "samples_per_s_avg": run_samples / run_s if run_s else samples / dt}
+def _throughput(dt: float, cpu: float, samples: int, tokens: int, run: list) -> dict:
+    """This step's rates, and the means since the first (warm-up) step. `cpu_s` is the
+    process's CPU time: unlike wall time it does not grow when other work shares the
+    cores, so it shows an engine's extra work even on a busy machine."""
+    n, s, c = run
+    return {"step_s": dt, "cpu_s": cpu, "samples_per_s": samples / dt, "tokens_per_s": tokens / dt,
+            "samples_per_s_avg": n / s if s else samples / dt,
+            "cpu_s_per_sample_avg": c / n if n else cpu / samples}
 
 
 def is_eval_step(step: int, cfg: LoopConfig) -> bool:
@@ -65,27 +69,31 @@ def train_loop(engine, batches: Iterator[dict], cfg: LoopConfig, start_step: int
     checkpoint always carries the validation it is ranked by; `best` is the best
     `val_tau` so far (a resumed run passes its checkpoint's)."""
     model, last = engine.module, {}
-    run_samples, run_s = 0, 0.0  # steps after the first (which warms caches up)
+    run = [0, 0.0, 0.0]  # samples, wall s, CPU s of the steps after the first (warm-up)
     for step in range(start_step, cfg.steps):
-        t0, samples, tokens, loss_sum = time.perf_counter(), 0, 0, 0.0
+        t0, c0 = time.perf_counter(), time.process_time()
+        samples, tokens, loss_sum, data_s = 0, 0, 0.0, 0.0
         model.train()
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_frac)
         engine.set_lr(lr)
         ref = teacher if step < cfg.distill_steps else None
         for _ in range(cfg.grad_accum):
+            t_data = time.perf_counter()
             batch = to_device(next(batches), engine.device)
+            data_s += time.perf_counter() - t_data  # waiting for input: ingest, decode, collate
             loss, m = compute_loss(model, batch, teacher=ref)
             engine.backward(loss)
             loss_sum += loss.item()
             samples += batch["input_ids"].shape[0]
             tokens += int(batch["seq_lens"].sum()) if "seq_lens" in batch else batch["input_ids"].numel()
         engine.step()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         if step > start_step:
-            run_samples, run_s = run_samples + samples, run_s + dt
+            run = [run[0] + samples, run[1] + dt, run[2] + cpu]
         # Per-slot figures are the last micro-batch's; the loss is the step's mean.
         last = {**flat_metrics(m), "loss": loss_sum / cfg.grad_accum, "lr": lr,
-                **_throughput(dt, samples, tokens, run_samples, run_s), "distilling": float(ref is not None)}
+                **_throughput(dt, cpu, samples, tokens, run), "data_s": data_s,
+                "distilling": float(ref is not None)}
         if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             log(step, last)
         if is_eval_step(step, cfg):

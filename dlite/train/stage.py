@@ -33,7 +33,7 @@ from dlite import tiny
 from dlite.data import shards
 from dlite.export import load_drafter
 from dlite.models import DrafterConfig, build_drafter, init_student_from_teacher
-from dlite.train.data import collate
+from dlite.train.data import collate, training_row
 from dlite.train.loop import LoopConfig, to_device
 
 STAGE_ARCH = {"teacher": "teacher", "align": "dlite", "dspark": "dspark"}
@@ -146,7 +146,7 @@ def heldout_rows(uri: str, ids: Optional[List[str]] = None, limit: int = 64) -> 
     for f in m["files"]:
         flt = [("id", "in", list(ids))] if ids is not None else None
         table = pq.read_table(store.path(f["path"]), filesystem=store.fs, filters=flt)
-        rows += [shards.decode_row(r, m) for r in table.slice(0, limit - len(rows)).to_pylist()]
+        rows += [training_row(r, m) for r in table.slice(0, limit - len(rows)).to_pylist()]
         if len(rows) >= limit:
             break
     return rows

@@ -16,6 +16,10 @@ def reference_probs(batch: dict, anchors, gamma: int, lm_head_weight, vocab: int
     if teacher is not None:
         with torch.no_grad():
             return torch.softmax(teacher.forward_train(batch).float(), dim=-1)
+    if "ref_hidden_blocks" in batch:  # `anchors` storage: already one row per slot
+        return ref_probs_from_hidden(batch["ref_hidden_blocks"], lm_head_weight)
+    if "topk_ids_blocks" in batch:
+        return ref_probs_from_topk(batch["topk_ids_blocks"], batch["topk_logprobs_blocks"], vocab)
     if "ref_hidden" in batch:
         rows = gather_block_rows(batch["ref_hidden"], anchors, gamma)
         return ref_probs_from_hidden(rows, lm_head_weight)
@@ -28,8 +32,12 @@ def compute_loss(model, batch: dict, teacher=None, ce_weight: float = 0.1,
                  l1_weight: float = 0.9) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) for a batch dict: input_ids [B,L], features [B,L,F], anchors [B,A],
     optional loss_mask [B,L], anchor_mask [B,A], seq_ids [B,L], and the reference
-    (`ref_hidden` [B,L,H] or `topk_ids`/`topk_logprobs` [B,L,k]) unless a teacher is given."""
+    (`ref_hidden` [B,L,H] or `topk_ids`/`topk_logprobs` [B,L,k]; per block, `*_blocks`
+    [B,A,γ,...], from `anchors` storage) unless a teacher is given."""
     anchors, gamma = batch["anchors"], model.gamma
+    if any(k.endswith("_blocks") for k in batch) and (teacher is not None or model.cfg.arch != "dlite"):
+        raise ValueError("an `anchors`-storage batch has features at its anchors only: it trains "
+                         "the DLite student against the target, not a teacher, DSpark or distillation")
     logits = model.forward_train(batch)
     targets, valid = block_targets(batch["input_ids"], anchors, gamma, batch.get("loss_mask"),
                                    batch.get("anchor_mask"), batch.get("seq_ids"))

@@ -1,5 +1,6 @@
 """`python -m jobs.benchmark` as a user runs it: the draft-cost report has the DLITE.md
-§4 metric names for both drafters and the published-shape parameter counts."""
+§4 metric names for both drafters and the published-shape parameter counts; the train
+report has the engine overhead, a passing same-math check and the teacher ablation."""
 
 import json
 import subprocess
@@ -26,3 +27,26 @@ def test_unknown_benchmark_is_refused(repo_root):
     r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "nope"], cwd=repo_root,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_train_report(repo_root, tmp_path):
+    """The whole `train` benchmark at its smallest: 8 records of <=256 tokens, 3 steps
+    per run, so each of its 7 training runs is mostly Ray start-up."""
+    out = tmp_path / "train.json"
+    sizes = ["data.n_train=8", "data.n_heldout=1", "data.max_seq_len=256", "train.batch_size=2",
+             "train.steps_teacher=3", "train.steps_align=3", "train.steps_dspark=3", "train.eval_every=0"]
+    r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "train", "--out", str(out),
+                        "--work-dir", str(tmp_path / "work"), *sizes],
+                       cwd=repo_root, capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert {"engine_overhead", "same_math", "teacher_ablation", "config", "env"} <= set(rep)
+    assert rep["same_math"]["ok"], rep["same_math"]
+    assert rep["workers"] == 2 and rep["engine_overhead"] > 0 and rep["samples_per_s_plain"] > 0
+    ab = rep["teacher_ablation"]
+    assert (ab["with_teacher"]["steps"], ab["no_teacher_same_student_steps"]["steps"],
+            ab["no_teacher_same_total_steps"]["steps"], ab["teacher"]["steps"]) == (3, 3, 6, 3)
+    assert all(1.0 <= ab[k]["val_tau_best"] <= 8.0 for k in ("with_teacher", "no_teacher_same_student_steps"))
+    assert rep["config"]["data"]["n_train"] == 8 and rep["env"]["deepspeed"]
+    # The stages' MLflow runs went to the work dir's store, not the repo's default one.
+    assert (tmp_path / "work" / "mlflow.db").is_file()

@@ -157,3 +157,56 @@ def test_load_vocab_reads_only_what_drafters_share(setup):
     embed, lm_head, mask = load_vocab(cfg.target)
     want = tgt.shared_vocab(model, tok)
     assert torch.equal(embed, want[0]) and torch.equal(lm_head, want[1]) and mask == want[2]
+
+
+def _stored_rows(model, layer_ids, seqs, mode: str, reference: str) -> list:
+    """Sequences through the target and a shard row round trip, as `mode` stores them."""
+    from dlite.data.features import TargetFeatures, extract
+    from dlite.data.shards import encode_row
+    from dlite.train.data import training_row
+    spec = {"storage_mode": mode, "reference": reference, "topk": 16, "gamma": 7}
+    res, _ = extract(TargetFeatures(model, layer_ids), seqs, spec, 8192, 0)
+    cfg = model.config
+    manifest = {**spec, "feature_dim": cfg.hidden_size * len(layer_ids), "hidden_size": cfg.hidden_size}
+    return [training_row(encode_row({**s, **r}), manifest) for s, r in zip(seqs, res)]
+
+
+@pytest.mark.parametrize("reference", ["last_hidden", "topk"])
+def test_anchor_shards_give_the_student_the_same_loss_as_full_ones(setup, reference):
+    """`anchors` storage keeps features at a-1 and references per block only: the DLite
+    student's loss and gradients on it equal those on `full` rows with the same anchors,
+    the stored anchors survive every epoch's re-draw, and models that read the whole
+    history refuse such a batch."""
+    from dlite.train.data import resample
+    cfg, model, tok, rows = setup
+    seqs = [{k: r[k] for k in ("id", "part", "index", "input_ids", "loss_mask", "anchors")} for r in rows[:3]]
+    layers = list(cfg.drafter.target_layer_ids)
+    full, anch = (collate(_stored_rows(model, layers, seqs, m, reference)) for m in ("full", "anchors"))
+    blocks = "ref_hidden_blocks" if reference == "last_hidden" else "topk_ids_blocks"
+    assert anch["features"].shape == full["features"].shape and blocks in anch and blocks not in full
+    drafter = _drafter(cfg, model, tok)
+    got = []
+    for batch in (full, anch):
+        drafter.zero_grad()
+        loss, m = compute_loss(drafter, batch)
+        loss.backward()
+        got.append((loss.item(), m["tau_est"], [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
+    (loss_f, tau_f, grads_f), (loss_a, tau_a, grads_a) = got
+    assert loss_f == pytest.approx(loss_a, rel=1e-5) and tau_f == pytest.approx(tau_a, rel=1e-5)
+    assert len(grads_f) == len(grads_a) > 0
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(grads_f, grads_a))
+    row = _stored_rows(model, layers, seqs[:1], "anchors", reference)[0]
+    assert resample(row, 4, 0, epoch=3)["anchors"] is row["anchors"]
+    with pytest.raises(ValueError, match="anchors"):
+        compute_loss(_drafter(cfg, model, tok, "dspark"), anch)
+
+
+def test_only_the_student_without_teacher_takes_anchor_shards():
+    from dlite.train.stage import plan_stage
+    from pipelines.stages import require_full
+    cfg = load_config("configs/experiments/tiny.yaml")
+    assert "teacher" in require_full(plan_stage(cfg, "align"))
+    assert "every position" in require_full(plan_stage(cfg, "teacher"))
+    assert "dspark" in require_full(plan_stage(cfg, "dspark"))
+    skip = load_config("configs/experiments/tiny.yaml", ["train.skip_teacher=true"])
+    assert require_full(plan_stage(skip, "align")) is None
