@@ -37,7 +37,7 @@ def test_train_report(repo_root, tmp_path):
              "train.steps_teacher=3", "train.steps_align=3", "train.steps_dspark=3", "train.eval_every=0"]
     r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "train", "--out", str(out),
                         "--work-dir", str(tmp_path / "work"), *sizes],
-                       cwd=repo_root, capture_output=True, text=True, timeout=1500)
+                       cwd=repo_root, capture_output=True, text=True, timeout=2700)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert {"engine_overhead", "same_math", "teacher_ablation", "config", "env"} <= set(rep)
