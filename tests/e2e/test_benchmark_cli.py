@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_draft_cost_report(repo_root, tmp_path):
     out = tmp_path / "draft_cost.json"
@@ -29,6 +31,7 @@ def test_unknown_benchmark_is_refused(repo_root):
     assert r.returncode == 2 and "usage" in r.stderr
 
 
+@pytest.mark.timeout(2700)  # 7 Ray Train runs: over the suite's 900 s on a loaded machine
 def test_train_report(repo_root, tmp_path):
     """The whole `train` benchmark at its smallest: 8 records of <=256 tokens, 3 steps
     per run, so each of its 7 training runs is mostly Ray start-up."""

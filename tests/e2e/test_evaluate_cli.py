@@ -33,6 +33,7 @@ def _save_random(cfg, arch, out):
     return out
 
 
+@pytest.mark.timeout(1800)
 def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_server):
     dirs = {arch: _save_random(tiny_cfg, arch, tmp_path / arch) for arch in ("dlite", "dspark")}
     out = tmp_path / "eval" / "report.json"

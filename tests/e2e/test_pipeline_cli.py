@@ -45,6 +45,7 @@ def pipeline_run(repo_root, tmp_path_factory, mlflow_server, smoke_pipeline):
     return out, args, first
 
 
+@pytest.mark.timeout(2700)  # its fixture runs the whole DAG (about 5 min quiet, 15 loaded)
 def test_pipeline_runs_every_stage(pipeline_run, mlflow_server):
     out, _, first = pipeline_run
     (summary_path,) = out.glob("tiny-*/summary.json")

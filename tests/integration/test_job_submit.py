@@ -9,7 +9,10 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.timeout(2700)  # the whole DAG through a Ray job
 def test_ray_job_submit_runs_the_pipeline(ray_head, mlflow_server, repo_root, tmp_path, smoke_pipeline):
     from mlflow import MlflowClient
     from ray.job_submission import JobStatus, JobSubmissionClient
