@@ -12,7 +12,10 @@ default: ZeRO-2 + bf16 on GPU, ZeRO-0 + fp32 on CPU. The optimiser is ours
 Needs torch.distributed already initialised (Ray Train's TorchConfig does it)."""
 
 import contextlib
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import deepspeed
@@ -55,11 +58,21 @@ def ds_config(train_cfg, settings: EngineSettings, world_size: int) -> dict:
     }
 
 
+def _own_extension_dir() -> None:
+    """JIT-built DeepSpeed ops (on CPU its shared-memory comm op, built at the first
+    `initialize`, ~2 min) go under this environment's prefix, not the per-user
+    ~/.cache/torch_extensions: two virtualenvs (a checkout and a CI clone) sharing
+    that dir rebuild it over each other, and a worker killed mid-build leaves a lock
+    that every later run waits on forever. TORCH_EXTENSIONS_DIR, when set, wins."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+
+
 class DeepSpeedEngine:
     """A drafter wrapped by `deepspeed.initialize` with our AdamW."""
 
     def __init__(self, model: torch.nn.Module, train_cfg, world_size: int,
                  settings: Optional[EngineSettings] = None):
+        _own_extension_dir()
         on_gpu = next(model.parameters()).device.type == "cuda"
         self.settings = settings or resolve(train_cfg, on_gpu)
         optimizer = adamw(model, train_cfg.lr, train_cfg.weight_decay)

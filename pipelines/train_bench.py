@@ -29,12 +29,13 @@ held-out split's `data.n_heldout` for validation), then measures:
 Every path is built from `dlite.train.stage` and reads rows via `pipelines.stages`; the
 plain and engine paths differ only in the engine and where the rows come from."""
 
-import multiprocessing
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -60,8 +61,8 @@ def plain_stage(cfg, stage: str, input_uri: str, teacher: Optional[str] = None,
                 heldout: Optional[str] = None, threads: int = 1, barrier=None) -> dict:
     """The stage in this process with the plain engine: the rows of one DeepSpeed
     worker of a 1-worker run, in the same order. Returns the last step's metrics.
-    `barrier` (a multiprocessing one) is passed by every copy of a parallel run just
-    before its loop, so their timed steps overlap."""
+    `barrier.wait()` is called just before the loop (copies of a parallel run meet
+    there, so their timed steps overlap)."""
     plan = st.plan_stage(cfg, stage)
     manifest = check_inputs(cfg, plan, input_uri, teacher, heldout)
     inputs = split_inputs(cfg, input_uri, heldout, manifest)
@@ -87,19 +88,44 @@ def plain_stage(cfg, stage: str, input_uri: str, teacher: Optional[str] = None,
         torch.set_num_threads(before)
 
 
-def _plain_copy(cfg: dict, stage: str, input_uri: str, heldout: Optional[str], barrier) -> dict:
-    return plain_stage(OmegaConf.create(cfg), stage, input_uri, heldout=heldout, barrier=barrier)
+class _FileBarrier:
+    """n processes meet here: each drops a file in `d` and waits for all n."""
+
+    def __init__(self, d: str, i: int, n: int):
+        self.d, self.i, self.n = Path(d), i, n
+
+    def wait(self, timeout: float = 900.0) -> None:
+        (self.d / f"ready-{self.i}").touch()
+        deadline = time.time() + timeout
+        while len(list(self.d.glob("ready-*"))) < self.n:
+            if time.time() > deadline:
+                raise TimeoutError(f"parallel plain loops: {self.n} did not all start in {timeout:.0f}s")
+            time.sleep(0.05)
+
+
+def _plain_copy(d: str, i: int) -> None:
+    """One copy of `parallel_plain`, in its own interpreter."""
+    job = json.loads((Path(d) / "job.json").read_text())
+    m = plain_stage(OmegaConf.create(job["cfg"]), job["stage"], job["input"], heldout=job["heldout"],
+                    barrier=_FileBarrier(d, i, job["n"]))
+    (Path(d) / f"result-{i}.json").write_text(json.dumps(m))
 
 
 def parallel_plain(cfg, stage: str, input_uri: str, heldout: Optional[str], n: int) -> list:
-    """n plain loops at once, one process each: what n single-thread processes get
-    from this machine with no engine at all (shared cores, caches, memory bandwidth)."""
-    ctx = multiprocessing.get_context("spawn")
-    conf = OmegaConf.to_container(cfg, resolve=True)
-    with ctx.Manager() as manager, ProcessPoolExecutor(n, mp_context=ctx) as pool:
-        barrier = manager.Barrier(n)
-        futures = [pool.submit(_plain_copy, conf, stage, input_uri, heldout, barrier) for _ in range(n)]
-        return [f.result() for f in futures]
+    """n plain loops at once, one fresh interpreter each (not multiprocessing: its
+    spawn re-runs the caller's main module), timed steps aligned by a barrier: what n
+    single-thread processes get from this machine with no engine at all."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory(prefix="dlite-plain-") as d:
+        (Path(d) / "job.json").write_text(json.dumps(
+            {"cfg": OmegaConf.to_container(cfg, resolve=True), "stage": stage, "input": input_uri,
+             "heldout": heldout, "n": n}))
+        code = "import sys; from pipelines.train_bench import _plain_copy; _plain_copy(sys.argv[1], int(sys.argv[2]))"
+        procs = [subprocess.Popen([sys.executable, "-c", code, d, str(i)], env=env) for i in range(n)]
+        if any(p.wait() != 0 for p in procs):
+            raise RuntimeError(f"parallel plain loops failed: exit codes {[p.returncode for p in procs]}")
+        return [json.loads((Path(d) / f"result-{i}.json").read_text()) for i in range(n)]
 
 
 def _engine_stage(cfg, stage, input_uri, out: Path, teacher=None, heldout=None, **train) -> dict:
