@@ -14,6 +14,7 @@ collects itself.
 `quality`: the headline comparison (issue 9): DLite, DLite without the teacher stage and
 the DSpark-style baseline, same data and step budget, trained on a 1536-token window and
 evaluated on held-out histories up to 16K tokens; ratios, goals, draft cost; plots.
+`--ablations all|a,b` adds the why-table: DLite with one switch changed at a time.
 """
 
 import json
@@ -60,8 +61,9 @@ def train(cfg, args) -> dict:
 def quality(cfg, args) -> dict:
     # DLite vs DSpark-style vs no-teacher on histories >= 8x the training window
     # (the pipeline DAG with the settings of pipelines/quality_bench.py); plots beside --out.
+    from pipelines import ablations
     from pipelines.quality_bench import run
-    return run(cfg, args.out)
+    return run(cfg, args.out, ablations=ablations.parse(args.ablations) if args.ablations else ())
 
 
 BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality}
@@ -80,6 +82,9 @@ def main(argv=None) -> int:
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--context-lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
         p.add_argument("--work-dir", default=None, help="train: keep shards, runs, MLflow store here")
+        p.add_argument("--ablations", default=None,
+                       help="quality: also train + replay these DLite variants ('all' or a comma list of "
+                            "pipelines.ablations.ABLATIONS), each under the same budget")
 
     name, (args, cfg) = argv[0], parse_args(argv[1:], extra)
     if args.dry_run:

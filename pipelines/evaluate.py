@@ -135,12 +135,12 @@ def metric_items(report: dict) -> dict:
                 if r.get(k) is not None:
                     out[f"{pre}.{k}"] = r[k]
             out.update({f"{pre}.accept_at_k.{i + 1}": v for i, v in enumerate(r["accept_at_k"]) if v is not None})
-            out.update({f"{pre}.tau_by_bucket.{_label(b)}": v for b, v in r["tau_by_bucket"].items() if v is not None})
+            out.update({f"{pre}.tau_by_bucket.{metric_label(b)}": v for b, v in r["tau_by_bucket"].items() if v is not None})
         out[f"{name}.lossless"] = float(bool(m["lossless"]))
     return out
 
 
-def _label(bucket: str) -> str:
+def metric_label(bucket: str) -> str:
     return bucket.replace("<", "lt").replace(">", "gt")
 
 

@@ -14,7 +14,9 @@ Settings are chosen on the training run's own validation rows (teacher-forced
 `val_tau`), never on the held-out trajectories the report measures.
 
 The JSON adds to the evaluation report: per-bucket ratios DLite / DSpark, the goals of
-issue 9 as measured booleans, the teacher stage's effect, and the draft cost per bucket.
+issue 9 as measured booleans, the teacher stage's effect, the draft cost per bucket,
+and the target's own accuracy per bucket on the same held-out text (`target_by_bucket`).
+`ablations=` adds the why-table (pipelines.ablations).
 """
 
 import json
@@ -68,8 +70,22 @@ def compare(report: dict, window: int) -> dict:
     }
 
 
-def run(cfg, out_json: str, window: int = 1536) -> dict:
-    """Run (or resume) the benchmark's DAG and write the JSON + plots beside `out_json`."""
+def target_by_bucket(cfg) -> dict:
+    """The target's own accuracy and confidence per context bucket, on the held-out
+    trajectories the evaluation replays (dlite.bench.target_probe: where the target
+    itself fails, acceptance measures the target, not the drafters)."""
+    from dlite import target as tgt
+    from dlite.bench.target_probe import probe
+    from dlite.spec.replay import render_ids
+    from pipelines.evaluate import heldout_records
+    model, tok = tgt.load(cfg.target)
+    seqs = [render_ids(tok, r["messages"], r.get("tools")) for r in heldout_records(cfg) if "messages" in r]
+    return probe(model, seqs, list(cfg.eval.buckets))
+
+
+def run(cfg, out_json: str, window: int = 1536, ablations=()) -> dict:
+    """Run (or resume) the benchmark's DAG and write the JSON + plots beside `out_json`;
+    then each of `ablations` (pipelines.ablations), the JSON rewritten after each one."""
     from dlite.config import config_hash, to_yaml
     from pipelines import results, tracking
     from pipelines.dag import Context, execute, plan
@@ -87,6 +103,7 @@ def run(cfg, out_json: str, window: int = 1536) -> dict:
              "comparison": compare(report, window), "training_window": window,
              "steps": {s: done[s].get("steps") for s in ("teacher", "align", "align_no_teacher", "dspark")},
              "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align", "align_no_teacher", "dspark")},
+             "target_by_bucket": target_by_bucket(bcfg),
              "seconds": round(time.time() - t0, 1), "mlflow_run": parent,
              "config": report["config"], "env": report["env"]}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,4 +114,30 @@ def run(cfg, out_json: str, window: int = 1536) -> dict:
     for f in [out, *pngs]:
         tracking.log_artifact(bcfg.tracking.uri, parent, f, "benchmark")
     results.finish(bcfg, home, parent, stages, done, time.time() - t0)
+    if ablations:
+        bench = _ablate(bcfg, bench, out, window, parent, ablations)
+    return bench
+
+
+def _ablate(bcfg, bench: dict, out: Path, window: int, parent: str, names) -> dict:
+    """Run the ablations one by one; the JSON, plot and parent metrics grow with each."""
+    from pipelines import ablations, plots, tracking
+    from pipelines.evaluate import metric_label
+    rows = {}
+    for name in names:
+        rows[name] = ablations.run_one(bcfg, name, window, parent, lambda line: print(line, flush=True))
+        bench["ablations"] = ablations.table(bench, rows)
+        bench["seconds_with_ablations"] = round(sum(sum(v or 0 for v in r["seconds"].values())
+                                                    for r in rows.values()) + bench["seconds"], 1)
+        out.write_text(json.dumps(bench, indent=2, default=str) + "\n")
+        r = bench["ablations"]["rows"][name]
+        tracking.log_metrics(bcfg.tracking.uri, parent, 0, {
+            f"ablation.{name}.tau": r["tau"], f"ablation.{name}.val_tau": r["best_val_tau"]["align"] or 0.0,
+            **{f"ablation.{name}.tau_by_bucket.{metric_label(b)}": v
+               for b, v in r["tau_by_bucket"].items() if v is not None}})
+    methods = {"dlite": bench["methods"]["dlite"], "dspark": bench["methods"]["dspark"],
+               **{f"dlite:{n}": r for n, r in rows.items()}}
+    png = plots.tau_by_bucket_plot(methods, out.with_name(f"{out.stem}-ablations_tau_by_bucket.png"))
+    for f in (out, png):
+        tracking.log_artifact(bcfg.tracking.uri, parent, f, "benchmark")
     return bench

@@ -53,3 +53,47 @@ def test_train_report(repo_root, tmp_path):
     assert rep["config"]["data"]["n_train"] == 8 and rep["env"]["deepspeed"]
     # The stages' MLflow runs went to the work dir's store, not the repo's default one.
     assert (tmp_path / "work" / "mlflow.db").is_file()
+
+
+@pytest.mark.timeout(2700)  # 6 DAG stages + an ablation's align and evaluate, each starting Ray
+def test_quality_report_with_an_ablation(repo_root, tmp_path, smoke_pipeline):
+    """The headline benchmark at smoke size, held-out histories kept short: every
+    method's DLITE.md §4 metrics, the same step budget, the plots, and one ablation that
+    changes alignment only (so it reuses the benchmark's collection and teacher)."""
+    out = tmp_path / "quality.json"
+    sizes = [*smoke_pipeline, "eval.n_trajectories=1", "eval.min_chars=3000", "eval.max_chars=6000",
+             f"run.output_dir={tmp_path / 'runs'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "quality", "--out", str(out),
+                        "--ablations", "distill_none", *sizes],
+                       cwd=repo_root, capture_output=True, text=True, timeout=2700)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert set(rep["methods"]) == {"dlite", "dlite_no_teacher", "dspark"} and rep["lossless"]
+    for name, m in rep["methods"].items():
+        for key in ("tau", "accept_at_k", "tau_by_bucket", "speedup_vs_ar", "draft_ms_by_bucket",
+                    "draft_cache_bytes_by_bucket"):
+            assert m.get(key) is not None, (name, key)
+        assert len(m["accept_at_k"]) == 7 and 1.0 <= m["tau"] <= 8.0
+        assert set(m["by_temperature"]) == {"0.0", "1.0"}
+    assert rep["steps"] == {"teacher": 4, "align": 4, "align_no_teacher": 8, "dspark": 8}
+    cache = rep["comparison"]["draft_cache_bytes_by_bucket"]
+    assert all(v == 0 for v in cache["dlite"].values()) and all(v > 0 for v in cache["dspark"].values())
+    assert isinstance(rep["comparison"]["goal_speedup_ge_2"], bool) and rep["training_window"] == 1536
+    probe = rep["target_by_bucket"]
+    assert probe and set(probe) <= set(rep["bucket_labels"])
+    assert all(b["tokens"] > 0 and 0 <= b["next_token_acc"] <= 1 for b in probe.values())
+    for png in ("tau_by_bucket", "accept_at_k", "ablations_tau_by_bucket"):
+        assert (tmp_path / f"quality-{png}.png").stat().st_size > 1000, png
+    ab = rep["ablations"]
+    row = ab["rows"]["distill_none"]
+    assert row["overrides"] == {"train.distill_frac": 0.0} and row["lossless"] and 1.0 <= row["tau"] <= 8.0
+    assert set(ab["val_tau_align"]) == {"dlite (benchmark)", "distill_none"}
+    assert ab["chosen_by_validation"] in ab["val_tau_align"]
+    stages = tmp_path / "runs" / "stages"
+    assert len(list(stages.glob("teacher-*"))) == 1 and len(list(stages.glob("collect-*"))) == 1
+    assert len(list(stages.glob("align-*"))) == 2 and row["stage_dirs"]["teacher"].startswith(str(stages))
+    import mlflow
+    c = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = c.get_run(rep["mlflow_run"])
+    assert parent.data.metrics["ablation.distill_none.tau"] == pytest.approx(row["tau"])
+    assert c.get_run(row["mlflow_run"]).data.tags["mlflow.parentRunId"] == rep["mlflow_run"]

@@ -1,0 +1,43 @@
+"""How well the target itself does at each context length, on the held-out
+trajectories a benchmark replays: teacher-forced next-token accuracy against the
+recorded text, the same on copyable tokens (the 6-gram ending there occurred earlier),
+and the target's mean top-1 probability.
+
+Why a drafter benchmark needs it: a drafter is scored on predicting the target's own
+greedy tokens. Where the target stops working (a small model past the lengths it was
+trained on), its argmax turns flat and erratic and no drafter, history-free or not,
+can predict it; acceptance there measures the target, not the drafter."""
+
+from typing import Iterable, Sequence
+
+import torch
+
+from dlite.spec.metrics import bucket_labels, bucket_of
+from dlite.tiny.copyeval import copy_mask
+
+
+@torch.no_grad()
+def probe(model, sequences: Iterable[Sequence[int]], buckets: Sequence[int]) -> dict:
+    """{bucket: {next_token_acc, copy_acc, copy_fraction, top1_prob, tokens}} over the
+    positions whose context length falls in the bucket (one full forward per sequence)."""
+    sums = {}
+    dev = next(model.parameters()).device
+    for ids in sequences:
+        x = torch.tensor([list(ids)], device=dev)
+        probs = model(input_ids=x).logits[0, :-1].float().softmax(-1)
+        top_p, pred = probs.max(-1)
+        hit = (pred == x[0, 1:]).tolist()
+        copy = copy_mask(list(ids), 0)[1:]
+        for t, (h, c, p) in enumerate(zip(hit, copy, top_p.tolist())):
+            s = sums.setdefault(bucket_of(t + 1, buckets), [0, 0, 0, 0.0])
+            s[0], s[1], s[2], s[3] = s[0] + 1, s[1] + h, s[2] + c, s[3] + p
+            if c:
+                sums.setdefault(("copy", bucket_of(t + 1, buckets)), [0])[0] += h
+    out = {}
+    for label in bucket_labels(buckets):
+        if label in sums:
+            n, h, c, p = sums[label]
+            ch = sums.get(("copy", label), [0])[0]
+            out[label] = {"next_token_acc": round(h / n, 4), "copy_acc": round(ch / c, 4) if c else None,
+                          "copy_fraction": round(c / n, 4), "top1_prob": round(p / n, 4), "tokens": n}
+    return out
