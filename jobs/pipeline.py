@@ -24,8 +24,17 @@ def _flags(p) -> None:
 
 def main(argv=None) -> int:
     args, cfg = parse_args(argv, _flags)
-    from dlite.config import config_hash, to_yaml
+    from dlite.config import ConfigError, config_hash, to_yaml, validate
     from pipelines.dag import PipelineError, plan
+    from pipelines.target_fetch import TargetFetchError, localize
+    source = cfg.target.path
+    if not args.dry_run:  # a remote target is copied once; a dry run only names it
+        try:
+            cfg = localize(cfg)
+            validate(cfg)  # layer ids against the copy's config.json
+        except (TargetFetchError, ConfigError) as e:
+            print(f"target error: {e}", file=sys.stderr)
+            return 2
     try:
         stages = plan(cfg, args.only.split(",") if args.only else None, args.start)
     except PipelineError as e:
@@ -38,10 +47,10 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
-    return _run(cfg, home, stages)
+    return _run(cfg, home, stages, source)
 
 
-def _run(cfg, home: Path, stages) -> int:
+def _run(cfg, home: Path, stages, source: str) -> int:
     from dlite.config import config_hash, to_yaml
     from pipelines import results, tracking
     from pipelines.dag import Context, execute
@@ -49,7 +58,8 @@ def _run(cfg, home: Path, stages) -> int:
     t0 = time.time()
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.yaml").write_text(to_yaml(cfg))
-    parent = tracking.open_parent(cfg, home, home.name, {"dlite.config_hash": config_hash(cfg)})
+    parent = tracking.open_parent(cfg, home, home.name, {"dlite.config_hash": config_hash(cfg),
+                                                         "dlite.target_source": source})
     print(f"[pipeline] MLflow: {tracking.run_link(cfg.tracking.uri, parent)}", flush=True)
     try:
         done = execute(Context(cfg, parent, lambda line: print(line, flush=True)), stages, RUNNERS)
