@@ -63,7 +63,8 @@ def quality(cfg, args) -> dict:
     # (the pipeline DAG with the settings of pipelines/quality_bench.py); plots beside --out.
     from pipelines import ablations
     from pipelines.quality_bench import run
-    return run(cfg, args.out, ablations=ablations.parse(args.ablations) if args.ablations else ())
+    return run(cfg, args.out, ablations=ablations.parse(args.ablations) if args.ablations else (),
+               budget=args.budget)
 
 
 BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality}
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--context-lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
         p.add_argument("--work-dir", default=None, help="train: keep shards, runs, MLflow store here")
+        p.add_argument("--budget", type=int, default=200,
+                       help="quality: optimiser steps per method (DLite: half teacher, half align)")
         p.add_argument("--ablations", default=None,
                        help="quality: also train + replay these DLite variants ('all' or a comma list of "
                             "pipelines.ablations.ABLATIONS), each under the same budget")

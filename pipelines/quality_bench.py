@@ -5,9 +5,10 @@ One run = the pipeline DAG (collect -> teacher -> align, align_no_teacher, dspar
 evaluate; no publish) with these settings on top of the given config:
   training window  `data.max_seq_len` (1536 by default), long trajectories split into
                    windows (`data.length_policy=split`) so every token trains
-  budget           B = steps_teacher + steps_align optimiser steps for each method:
-                   DLite spends them as teacher + align, the ablation and the baseline
-                   as B steps of their own (`train.steps_dspark = B`)
+  budget           B optimiser steps for each method (`--budget`, 200 by default; it
+                   sets train.steps_*): DLite spends them as B/2 teacher + B/2 align,
+                   the no-teacher ablation and the baseline as B steps of their own;
+                   validation every B/4 steps
   held-out         built-in held-out trajectories whose histories reach >= 8x the
                    window (`eval.min_chars/max_chars`), turns spread up to the last one
 Settings are chosen on the training run's own validation rows (teacher-forced
@@ -28,12 +29,15 @@ from omegaconf import OmegaConf
 STAGES = ["collect", "teacher", "align", "align_no_teacher", "dspark", "evaluate"]
 
 
-def bench_config(cfg, window: int = 1536):
-    """The benchmark's settings over `cfg` (which keeps sizes, steps and the cluster)."""
+def bench_config(cfg, window: int = 1536, budget=None):
+    """The benchmark's settings over `cfg` (which keeps sizes and the cluster; its
+    train.steps_* too when `budget` is None)."""
     t = cfg.train
+    steps = ({"steps_teacher": budget // 2, "steps_align": budget - budget // 2, "eval_every": max(1, budget // 4)}
+             if budget else {})
     over = {"run": {"stages": STAGES, "name": f"{cfg.run.name}-quality"},
             "data": {"max_seq_len": window, "length_policy": "split"},
-            "train": {"steps_dspark": t.steps_teacher + t.steps_align},
+            "train": {**steps, "steps_dspark": budget or t.steps_teacher + t.steps_align},
             # The built-in corpus renders ~3.3 characters per token: 40-52K characters
             # put the last turns' histories at 12-16K tokens, 8-10x a 1536 window.
             "eval": {"turn_pick": "spread", "max_turns": 4, "max_context": None,
@@ -83,14 +87,14 @@ def target_by_bucket(cfg) -> dict:
     return probe(model, seqs, list(cfg.eval.buckets))
 
 
-def run(cfg, out_json: str, window: int = 1536, ablations=()) -> dict:
+def run(cfg, out_json: str, window: int = 1536, ablations=(), budget: int = 200) -> dict:
     """Run (or resume) the benchmark's DAG and write the JSON + plots beside `out_json`;
     then each of `ablations` (pipelines.ablations), the JSON rewritten after each one."""
     from dlite.config import config_hash, to_yaml
     from pipelines import results, tracking
     from pipelines.dag import Context, execute, plan
     from pipelines.runners import RUNNERS
-    t0, bcfg = time.time(), bench_config(cfg, window)
+    t0, bcfg = time.time(), bench_config(cfg, window, budget)
     home = Path(bcfg.run.output_dir).resolve() / f"{bcfg.run.name}-{config_hash(bcfg)}"
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.yaml").write_text(to_yaml(bcfg))
@@ -100,7 +104,7 @@ def run(cfg, out_json: str, window: int = 1536, ablations=()) -> dict:
     report = json.loads(Path(done["evaluate"]["report"]).read_text())
     out = Path(out_json).resolve()
     bench = {**{k: v for k, v in report.items() if k not in ("config", "env")},
-             "comparison": compare(report, window), "training_window": window,
+             "comparison": compare(report, window), "training_window": window, "budget": budget,
              "steps": {s: done[s].get("steps") for s in ("teacher", "align", "align_no_teacher", "dspark")},
              "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align", "align_no_teacher", "dspark")},
              "target_by_bucket": target_by_bucket(bcfg),

@@ -64,7 +64,7 @@ def test_quality_report_with_an_ablation(repo_root, tmp_path, smoke_pipeline):
     sizes = [*smoke_pipeline, "eval.n_trajectories=1", "eval.min_chars=3000", "eval.max_chars=6000",
              f"run.output_dir={tmp_path / 'runs'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "quality", "--out", str(out),
-                        "--ablations", "distill_none", *sizes],
+                        "--budget", "8", "--ablations", "distill_none", *sizes],
                        cwd=repo_root, capture_output=True, text=True, timeout=2700)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
