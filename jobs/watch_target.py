@@ -1,5 +1,5 @@
 """Scheduled retraining: watch a target source and submit the pipeline once per new
-checkpoint fingerprint (the rules are in pipelines/watch.py):
+checkpoint fingerprint (the rules are in pipelines/checkpoints.py):
 
     python -m jobs.watch_target --config FILE --source SRC [--address URL] [--once]
         [--interval SECONDS] [--dry-run] [--pipeline-args="..."] [key=value ...]

@@ -97,6 +97,8 @@ def test_new_checkpoint_submitted_exactly_once(tmp_path, ray_head, mlflow_server
     assert f"path: {src / 'ckpt-1'}" in logs  # the pipeline planned on the new target
     info = client.get_job_info(sid)
     assert "--dry-run" in info.entrypoint and f"tracking.uri={mlflow_server}" in info.entrypoint
+    from pipelines.publish import git_commit
+    assert info.runtime_env["env_vars"]["DLITE_GIT_COMMIT"] == git_commit() != "unknown"
     tags = watcher_tags(mlflow_server, name)
     assert json.loads(tags[f"dlite.watch.fp.{fp}"])["submission_id"] == sid
     assert tags["dlite.watch.source"] == str(src)
