@@ -79,7 +79,10 @@ def run_one(cfg, name: str, window: int, parent: str, log=print) -> dict:
            "tau": dl["tau"], "tau_by_bucket": dl["tau_by_bucket"], "bucket_labels": dl["bucket_labels"], "accept_at_k": dl["accept_at_k"],
            "draft_ms_by_bucket": dl["draft_ms_by_bucket"], "lossless": dl["lossless"],
            "stage_dirs": {s.name: s.dir for s in stages},
-           "seconds": {s: done[s].get("seconds") for s in done}, "mlflow_run": run_id}
+           # Reused stages were finished by the benchmark or an earlier ablation: their
+           # seconds are from that run, not this one.
+           "seconds": {s: done[s].get("seconds") for s in done},
+           "reused": [s.name for s in stages if s.status in ("done", "reuse")], "mlflow_run": run_id}
     tracking.finish(acfg.tracking.uri, run_id)
     return row
 

@@ -89,6 +89,7 @@ def test_quality_report_with_an_ablation(repo_root, tmp_path, smoke_pipeline):
     assert row["overrides"] == {"train.distill_frac": 0.0} and row["lossless"] and 1.0 <= row["tau"] <= 8.0
     assert set(ab["val_tau_align"]) == {"dlite (benchmark)", "distill_none"}
     assert ab["chosen_by_validation"] in ab["val_tau_align"]
+    assert row["reused"] == ["collect", "teacher"]  # only alignment changed
     stages = tmp_path / "runs" / "stages"
     assert len(list(stages.glob("teacher-*"))) == 1 and len(list(stages.glob("collect-*"))) == 1
     assert len(list(stages.glob("align-*"))) == 2 and row["stage_dirs"]["teacher"].startswith(str(stages))
