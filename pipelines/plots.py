@@ -75,7 +75,10 @@ def tau_by_bucket_plot(methods: Dict[str, dict], path) -> str:
     labels = _bucket_order(methods)
     if not labels:
         raise ValueError("plot: every method's tau_by_bucket is empty")
-    fig = Figure(figsize=(max(6, 1.5 * len(labels)), 4), layout="constrained")
+    # Wider with more bars per bucket, taller with more legend rows (3 names per row).
+    rows = -(-len(methods) // 3)
+    fig = Figure(figsize=(max(6, 1.5 * len(labels), 0.45 * len(labels) * len(methods)), 3.6 + 0.3 * rows),
+                 layout="constrained")
     ax = fig.add_subplot()
     names = sorted(methods)
     width = 0.8 / len(names)
@@ -83,12 +86,12 @@ def tau_by_bucket_plot(methods: Dict[str, dict], path) -> str:
         tb = methods[name]["tau_by_bucket"] or {}
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(labels))]
         bars = ax.bar(xs, [_nan(tb.get(b)) for b in labels], width, label=name)
-        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        ax.bar_label(bars, fmt="%.2f", fontsize=8 if len(names) <= 4 else 6)
     ax.set_xticks(range(len(labels)), labels)
     ax.set(xlabel="context length (tokens)", ylabel="tau (greedy)", title="tau by context length")
     ax.grid(axis="y", alpha=0.3)
     ax.margins(y=0.1)
-    fig.legend(loc="outside lower center", ncols=len(names))  # below the axes: never over a bar
+    fig.legend(loc="outside lower center", ncols=min(3, len(names)))  # below the axes: never over a bar
     return _save(fig, path)
 
 
