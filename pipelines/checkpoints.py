@@ -111,17 +111,24 @@ def latest_local(path: Path, target_name: str, min_age: float) -> Optional[Check
     return Checkpoint(pick, fp["id"])
 
 
+def list_files(uri: str) -> tuple:
+    """(filesystem, root, {path relative to root: pyarrow FileInfo}) of every file under
+    a pyarrow filesystem URI (s3://, gs://, file://); OSError / ValueError when it
+    cannot be listed. Shared with pipelines.target_fetch, which copies what it lists."""
+    from pyarrow import fs as pafs
+    filesystem, root = pafs.FileSystem.from_uri(uri)
+    infos = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
+    root = root.rstrip("/")
+    return filesystem, root, {i.path[len(root) + 1:]: i for i in infos if i.type == pafs.FileType.File}
+
+
 def latest_fs(uri: str, min_age: float) -> Optional[Checkpoint]:
     """The same rule over a pyarrow filesystem listing (S3 in production; file:// here)."""
-    from pyarrow import fs as pafs
     try:
-        filesystem, root = pafs.FileSystem.from_uri(uri)
-        infos = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
+        filesystem, root, files = list_files(uri)
     except (OSError, ValueError) as e:
         raise WatchError(f"--source: cannot list {uri}: {e}") from None
-    root = root.rstrip("/")
-    groups = _group({i.path[len(root) + 1:]: (i.size, i.mtime.timestamp())
-                     for i in infos if i.type == pafs.FileType.File})
+    groups = _group({rel: (i.size, i.mtime.timestamp()) for rel, i in files.items()})
     def read(name, rel):
         return filesystem.open_input_stream("/".join(filter(None, [root, name, rel]))).read()
     name = _newest(groups, read, min_age)
@@ -137,19 +144,27 @@ def latest_fs(uri: str, min_age: float) -> Optional[Checkpoint]:
 _MODEL_URI = re.compile(r"^models:/([^/@]+)(?:@([^/]+)|/(\d+))$")
 
 
-def latest_mlflow(uri: str, tracking_uri: str) -> Optional[Checkpoint]:
+def model_version(uri: str, tracking_uri: str):
+    """The registered version `models:/name@alias` or `models:/name/<version>` names
+    (an MLflow ModelVersion); ValueError naming `uri` when there is none. Shared with
+    pipelines.target_fetch."""
     m = _MODEL_URI.match(uri)
     if not m:
-        raise WatchError(f"--source: {uri!r} is neither models:/<name>@<alias> "
-                         "nor models:/<name>/<version>")
+        raise ValueError(f"{uri!r} is neither models:/<name>@<alias> nor models:/<name>/<version>")
     name, alias, version = m.groups()
     from mlflow.exceptions import MlflowException
     c = tracking.client(tracking_uri)
     try:
-        mv = (c.get_model_version_by_alias(name, alias) if alias
-              else c.get_model_version(name, version))
+        return c.get_model_version_by_alias(name, alias) if alias else c.get_model_version(name, version)
     except MlflowException as e:
-        raise WatchError(f"--source: {uri}: {e.message}") from None
+        raise ValueError(f"{uri}: {e.message}") from None
+
+
+def latest_mlflow(uri: str, tracking_uri: str) -> Optional[Checkpoint]:
+    try:
+        mv = model_version(uri, tracking_uri)
+    except ValueError as e:
+        raise WatchError(f"--source: {e}") from None
     key = f"{mv.name}|{mv.version}|{mv.creation_timestamp}|{mv.source}"
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Checkpoint(f"models:/{mv.name}/{mv.version}", fingerprint)

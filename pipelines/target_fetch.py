@@ -21,7 +21,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-_MODEL = re.compile(r"^models:/([^/@]+)(?:@([^/]+)|/(\d+))$")
 SOURCE_FILE = "dlite_source.json"
 
 
@@ -64,21 +63,18 @@ def _checkpoint_root(d: Path, src: str) -> Path:
 
 
 def _filesystem(uri: str):
-    from pyarrow import fs as pafs
+    from pipelines.checkpoints import list_files
     try:
-        filesystem, root = pafs.FileSystem.from_uri(uri)
-        infos = [i for i in filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
-                 if i.type == pafs.FileType.File]
+        filesystem, root, files = list_files(uri)
     except (OSError, ValueError) as e:
         raise TargetFetchError(f"target.path: cannot list {uri}: {e}") from None
-    if not infos:
+    if not files:
         raise TargetFetchError(f"target.path: {uri} is empty")
-    root = root.rstrip("/")
-    rels = sorted((i.path[len(root) + 1:], i) for i in infos)
-    key = hashlib.sha256("".join(f"{r}|{i.size}|{i.mtime_ns}\n" for r, i in rels).encode()).hexdigest()[:16]
+    rels = sorted(files)
+    key = hashlib.sha256("".join(f"{r}|{files[r].size}|{files[r].mtime_ns}\n" for r in rels).encode()).hexdigest()[:16]
 
     def fetch(into: Path) -> Path:
-        for rel, _ in rels:
+        for rel in rels:
             out = into / rel
             out.parent.mkdir(parents=True, exist_ok=True)
             with filesystem.open_input_stream(f"{root}/{rel}") as f, open(out, "wb") as g:
@@ -88,17 +84,12 @@ def _filesystem(uri: str):
 
 
 def _model_version(uri: str, tracking_uri: str):
-    m = _MODEL.match(uri)
-    if not m:
-        raise TargetFetchError(f"target.path: {uri!r} is neither models:/<name>/<version> nor models:/<name>@<alias>")
-    name, alias, version = m.groups()
     from mlflow.exceptions import MlflowException
-    from pipelines import tracking
-    c = tracking.client(tracking_uri)
+    from pipelines.checkpoints import model_version
     try:
-        mv = c.get_model_version_by_alias(name, alias) if alias else c.get_model_version(name, version)
-    except MlflowException as e:
-        raise TargetFetchError(f"target.path: {uri}: {e.message}") from None
+        mv = model_version(uri, tracking_uri)
+    except ValueError as e:
+        raise TargetFetchError(f"target.path: {e}") from None
 
     def fetch(into: Path) -> Path:
         import mlflow
