@@ -20,24 +20,21 @@ from dlite.tiny.copyeval import copy_mask
 def probe(model, sequences: Iterable[Sequence[int]], buckets: Sequence[int]) -> dict:
     """{bucket: {next_token_acc, copy_acc, copy_fraction, top1_prob, tokens}} over the
     positions whose context length falls in the bucket (one full forward per sequence)."""
-    sums = {}
+    sums = {}  # bucket -> [positions, hits, copyable, hits on copyable, sum of top-1 prob]
     dev = next(model.parameters()).device
     for ids in sequences:
         x = torch.tensor([list(ids)], device=dev)
-        probs = model(input_ids=x).logits[0, :-1].float().softmax(-1)
-        top_p, pred = probs.max(-1)
+        top_p, pred = model(input_ids=x).logits[0, :-1].float().softmax(-1).max(-1)
         hit = (pred == x[0, 1:]).tolist()
         copy = copy_mask(list(ids), 0)[1:]
         for t, (h, c, p) in enumerate(zip(hit, copy, top_p.tolist())):
-            s = sums.setdefault(bucket_of(t + 1, buckets), [0, 0, 0, 0.0])
-            s[0], s[1], s[2], s[3] = s[0] + 1, s[1] + h, s[2] + c, s[3] + p
-            if c:
-                sums.setdefault(("copy", bucket_of(t + 1, buckets)), [0])[0] += h
+            s = sums.setdefault(bucket_of(t + 1, buckets), [0, 0, 0, 0, 0.0])
+            for i, v in enumerate((1, h, c, h and c, p)):
+                s[i] += v
     out = {}
     for label in bucket_labels(buckets):
         if label in sums:
-            n, h, c, p = sums[label]
-            ch = sums.get(("copy", label), [0])[0]
+            n, h, c, ch, p = sums[label]
             out[label] = {"next_token_acc": round(h / n, 4), "copy_acc": round(ch / c, 4) if c else None,
                           "copy_fraction": round(c / n, 4), "top1_prob": round(p / n, 4), "tokens": n}
     return out
