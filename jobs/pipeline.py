@@ -12,7 +12,6 @@ Exit status: 0 done, 1 a stage failed or greedy decoding was not lossless, 2 bad
 
 import sys
 import time
-from pathlib import Path
 
 from jobs.cli import parse_args
 
@@ -25,10 +24,10 @@ def _flags(p) -> None:
 def main(argv=None) -> int:
     args, cfg = parse_args(argv, _flags)
     from dlite.config import ConfigError, config_hash, to_yaml, validate
-    from pipelines.dag import PipelineError, plan
-    from pipelines.target_fetch import TargetFetchError, localize
+    from pipelines.dag import PipelineError, home_dir, plan
+    from pipelines.target_fetch import TargetFetchError, is_remote, localize
     source = cfg.target.path
-    if not args.dry_run:  # a remote target is copied once; a dry run only names it
+    if is_remote(source) and not args.dry_run:  # copied once; a dry run only names it
         try:
             cfg = localize(cfg)
             validate(cfg)  # layer ids against the copy's config.json
@@ -40,26 +39,23 @@ def main(argv=None) -> int:
     except PipelineError as e:
         print(f"pipeline error: {e}", file=sys.stderr)
         return 2
-    home = Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{config_hash(cfg)}"
+    home = home_dir(cfg)
     print(f"[pipeline] config {args.config} (hash {config_hash(cfg)}) -> {home}", flush=True)
     for s in stages:
         print(f"[pipeline]   {s.name:<16} {s.status:<7} {s.dir}", flush=True)
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
-    return _run(cfg, home, stages, source)
+    return _run(cfg, stages, source)
 
 
-def _run(cfg, home: Path, stages, source: str) -> int:
-    from dlite.config import config_hash, to_yaml
+def _run(cfg, stages, source: str) -> int:
+    from dlite.config import config_hash
     from pipelines import results, tracking
-    from pipelines.dag import Context, execute
+    from pipelines.dag import Context, execute, open_home
     from pipelines.runners import RUNNERS
     t0 = time.time()
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "config.yaml").write_text(to_yaml(cfg))
-    parent = tracking.open_parent(cfg, home, home.name, {"dlite.config_hash": config_hash(cfg),
-                                                         "dlite.target_source": source})
+    home, parent = open_home(cfg, {"dlite.config_hash": config_hash(cfg), "dlite.target_source": source})
     print(f"[pipeline] MLflow: {tracking.run_link(cfg.tracking.uri, parent)}", flush=True)
     try:
         done = execute(Context(cfg, parent, lambda line: print(line, flush=True)), stages, RUNNERS)

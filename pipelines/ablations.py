@@ -44,37 +44,35 @@ def parse(names: str) -> List[str]:
 
 
 def ablation_config(cfg, name: str, window: int):
-    """The benchmark's config for one ablation: its overrides, DLite's stages only,
-    greedy replay and one speed trajectory (acceptance is what is compared)."""
+    """The benchmark's config for one ablation, validated: its overrides, DLite's stages
+    only, greedy replay and one speed trajectory (acceptance is what is compared); its
+    training window is `data.max_seq_len`."""
+    from dlite.config import validate
     from pipelines.quality_bench import bench_config
     over = dict(ABLATIONS[name][0])
     window = over.pop("window", window)
     dotted = [f"{k}={v}" for k, v in over.items()]
     base = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
     out = bench_config(base, window)
-    return OmegaConf.merge(out, {"run": {"stages": STAGES, "name": f"{out.run.name}-{name}"},
-                                 "eval": {"temperatures": [0.0], "speed_trajectories": 1}}), window
+    out = OmegaConf.merge(out, {"run": {"stages": STAGES, "name": f"{out.run.name}-{name}"},
+                                "eval": {"temperatures": [0.0], "speed_trajectories": 1}})
+    validate(out)
+    return out
 
 
 def run_one(cfg, name: str, window: int, parent: str, log=print) -> dict:
     """Train and replay one ablation; its row of the benchmark's `ablations` table."""
-    from dlite.config import config_hash, to_yaml, validate
     from pipelines import tracking
-    from pipelines.dag import Context, execute, plan
+    from pipelines.dag import Context, execute, open_home, plan
     from pipelines.runners import RUNNERS
-    acfg, w = ablation_config(cfg, name, window)
-    validate(acfg)
-    home = Path(acfg.run.output_dir).resolve() / f"{acfg.run.name}-{config_hash(acfg)}"
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "config.yaml").write_text(to_yaml(acfg))
-    run_id = tracking.open_parent(acfg, home, home.name, {
-        "dlite.kind": "benchmark", "dlite.benchmark": "quality-ablation", "dlite.ablation": name,
-        "mlflow.parentRunId": parent})
+    acfg = ablation_config(cfg, name, window)
+    _, run_id = open_home(acfg, {"dlite.kind": "benchmark", "dlite.benchmark": "quality-ablation",
+                                 "dlite.ablation": name, "mlflow.parentRunId": parent})
     log(f"[ablation] {name}: {ABLATIONS[name][1]}")
     stages = plan(acfg)
     done = execute(Context(acfg, run_id, log), stages, RUNNERS)
     dl = json.loads(Path(done["evaluate"]["report"]).read_text())["methods"]["dlite"]
-    row = {"overrides": ABLATIONS[name][0], "why": ABLATIONS[name][1], "training_window": w,
+    row = {"overrides": ABLATIONS[name][0], "why": ABLATIONS[name][1], "training_window": acfg.data.max_seq_len,
            "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align")},
            "tau": dl["tau"], "tau_by_bucket": dl["tau_by_bucket"], "bucket_labels": dl["bucket_labels"], "accept_at_k": dl["accept_at_k"],
            "draft_ms_by_bucket": dl["draft_ms_by_bucket"], "lossless": dl["lossless"],
@@ -90,20 +88,18 @@ def run_one(cfg, name: str, window: int, parent: str, log=print) -> dict:
 def table(bench: dict, rows: Dict[str, dict]) -> dict:
     """The rows against the benchmark's own DLite and DSpark (greedy), and which
     setting the validation split would pick (held-out tau is reported, not used)."""
+    from pipelines.quality_bench import ratio
     m = bench["methods"]
     ref = {"dlite": m["dlite"], "dspark": m["dspark"]}
     out = {}
     for name, r in rows.items():
         by = r["tau_by_bucket"]
         out[name] = {**r,
-                     "tau_over_dlite": _ratio(r["tau"], ref["dlite"]["tau"]),
-                     "tau_over_dspark_by_bucket": {b: _ratio(v, ref["dspark"]["tau_by_bucket"].get(b))
+                     "tau_over_dlite": ratio(r["tau"], ref["dlite"]["tau"]),
+                     "tau_over_dspark_by_bucket": {b: ratio(v, ref["dspark"]["tau_by_bucket"].get(b))
                                                    for b, v in by.items()}}
     val = {"dlite (benchmark)": bench["best_val_tau"]["align"],
            **{n: r["best_val_tau"]["align"] for n, r in rows.items()}}
     best = max((k for k, v in val.items() if v is not None), key=lambda k: val[k], default=None)
     return {"rows": out, "val_tau_align": val, "chosen_by_validation": best}
 
-
-def _ratio(a, b):
-    return None if a is None or not b else round(a / b, 4)

@@ -125,6 +125,23 @@ def _check_inputs(stages: List[StagePlan]) -> None:
                     f"({by[missing[0]].dir}): drop --only/--from or include {missing[0]}")
 
 
+def home_dir(cfg) -> Path:
+    """A pipeline's own directory (its config.yaml, summary.json and MLflow run id):
+    `<run.output_dir>/<run.name>-<config hash>`, so a rerun finds its parent run."""
+    from dlite.config import config_hash
+    return Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{config_hash(cfg)}"
+
+
+def open_home(cfg, tags: dict) -> tuple:
+    """(home dir, MLflow parent run id): the dir made, the resolved config written there,
+    the parent run opened (reopened when the dir already has one)."""
+    from dlite.config import to_yaml
+    home = home_dir(cfg)
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.yaml").write_text(to_yaml(cfg))
+    return home, tracking.open_parent(cfg, home, home.name, tags)
+
+
 @contextmanager
 def child_run(ctx, stage: str, out: Path):
     """A stage's MLflow child run, closed FINISHED or FAILED."""

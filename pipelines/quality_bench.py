@@ -48,7 +48,8 @@ def bench_config(cfg, window: int = 1536, budget=None):
     return out
 
 
-def _ratio(a, b):
+def ratio(a, b):
+    """a / b rounded, None when either is missing (also used by pipelines.ablations)."""
     return None if a is None or not b else round(a / b, 4)
 
 
@@ -57,7 +58,7 @@ def compare(report: dict, window: int) -> dict:
     m = report["methods"]
     dl, ds, nt = m.get("dlite"), m.get("dspark"), m.get("dlite_no_teacher")
     labels = [b for b in dl["bucket_labels"] if b in dl["tau_by_bucket"]]
-    by_bucket = {b: _ratio(dl["tau_by_bucket"].get(b), ds["tau_by_bucket"].get(b)) for b in labels}
+    by_bucket = {b: ratio(dl["tau_by_bucket"].get(b), ds["tau_by_bucket"].get(b)) for b in labels}
     longest = labels[-1] if labels else None
     # "Short" = the buckets that lie wholly inside the training window.
     edges = [0, *dl["settings"]["buckets"]]
@@ -68,7 +69,7 @@ def compare(report: dict, window: int) -> dict:
         "goal_long_tau_ratio_ge_1_3": None if longest is None else (by_bucket[longest] or 0) >= 1.3,
         "goal_short_tau_ratio_ge_0_97": all((by_bucket[b] or 0) >= 0.97 for b in short) if short else None,
         "goal_speedup_ge_2": (dl["speedup_vs_ar"] or 0) >= 2.0,
-        "teacher_effect_tau": None if nt is None else _ratio(dl["tau"], nt["tau"]),
+        "teacher_effect_tau": None if nt is None else ratio(dl["tau"], nt["tau"]),
         "draft_ms_by_bucket": {n: r["draft_ms_by_bucket"] for n, r in m.items()},
         "draft_cache_bytes_by_bucket": {n: r["draft_cache_bytes_by_bucket"] for n, r in m.items()},
     }
@@ -90,16 +91,12 @@ def target_by_bucket(cfg) -> dict:
 def run(cfg, out_json: str, window: int = 1536, ablations=(), budget: int = 200) -> dict:
     """Run (or resume) the benchmark's DAG and write the JSON + plots beside `out_json`;
     then each of `ablations` (pipelines.ablations), the JSON rewritten after each one."""
-    from dlite.config import config_hash, to_yaml
     from pipelines import results, tracking
-    from pipelines.dag import Context, execute, plan
+    from pipelines.dag import Context, execute, open_home, plan
     from pipelines.runners import RUNNERS
     t0, bcfg = time.time(), bench_config(cfg, window, budget)
-    home = Path(bcfg.run.output_dir).resolve() / f"{bcfg.run.name}-{config_hash(bcfg)}"
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "config.yaml").write_text(to_yaml(bcfg))
     stages = plan(bcfg)
-    parent = tracking.open_parent(bcfg, home, home.name, {"dlite.kind": "benchmark", "dlite.benchmark": "quality"})
+    home, parent = open_home(bcfg, {"dlite.kind": "benchmark", "dlite.benchmark": "quality"})
     done = execute(Context(bcfg, parent, lambda line: print(line, flush=True)), stages, RUNNERS)
     report = json.loads(Path(done["evaluate"]["report"]).read_text())
     out = Path(out_json).resolve()
@@ -119,26 +116,27 @@ def run(cfg, out_json: str, window: int = 1536, ablations=(), budget: int = 200)
         tracking.log_artifact(bcfg.tracking.uri, parent, f, "benchmark")
     results.finish(bcfg, home, parent, stages, done, time.time() - t0)
     if ablations:
-        bench = _ablate(bcfg, bench, out, window, parent, ablations)
+        bench = _ablate(bcfg, bench, out, window, parent, ablations, t0)
     return bench
 
 
-def _ablate(bcfg, bench: dict, out: Path, window: int, parent: str, names) -> dict:
-    """Run the ablations one by one; the JSON, plot and parent metrics grow with each."""
+def _ablate(bcfg, bench: dict, out: Path, window: int, parent: str, names, t0: float) -> dict:
+    """Run the ablations one by one; the JSON, plot and parent metrics grow with each.
+    `seconds_with_ablations` is wall time since `t0`, the benchmark's start (summing
+    stage seconds would count the stages an ablation reuses twice)."""
     from pipelines import ablations, plots, tracking
     from pipelines.evaluate import metric_label
     rows = {}
     for name in names:
         rows[name] = ablations.run_one(bcfg, name, window, parent, lambda line: print(line, flush=True))
         bench["ablations"] = ablations.table(bench, rows)
-        bench["seconds_with_ablations"] = round(sum(sum(v or 0 for v in r["seconds"].values())
-                                                    for r in rows.values()) + bench["seconds"], 1)
+        bench["seconds_with_ablations"] = round(time.time() - t0, 1)
         out.write_text(json.dumps(bench, indent=2, default=str) + "\n")
         r = bench["ablations"]["rows"][name]
-        tracking.log_metrics(bcfg.tracking.uri, parent, 0, {
-            f"ablation.{name}.tau": r["tau"], f"ablation.{name}.val_tau": r["best_val_tau"]["align"] or 0.0,
-            **{f"ablation.{name}.tau_by_bucket.{metric_label(b)}": v
-               for b, v in r["tau_by_bucket"].items() if v is not None}})
+        metrics = {"tau": r["tau"], "val_tau": r["best_val_tau"]["align"],
+                   **{f"tau_by_bucket.{metric_label(b)}": v for b, v in r["tau_by_bucket"].items()}}
+        tracking.log_metrics(bcfg.tracking.uri, parent, 0,  # a missing figure is not logged as 0
+                             {f"ablation.{name}.{k}": v for k, v in metrics.items() if v is not None})
     methods = {"dlite": bench["methods"]["dlite"], "dspark": bench["methods"]["dspark"],
                **{f"dlite:{n}": r for n, r in rows.items()}}
     png = plots.tau_by_bucket_plot(methods, out.with_name(f"{out.stem}-ablations_tau_by_bucket.png"))
