@@ -5,14 +5,14 @@ against every other method in the evaluation report, and how to load it.
 Also the one reading of an evaluation report that publishing and plotting share:
 `report_methods` accepts the pipeline's multi-method report (`{"methods": {name: R},
 "primary": ...}`) or a single drafter's report (`jobs.evaluate`), where each R is what
-`dlite.spec.replay` aggregates: greedy metrics at top level, each temperature under
+`dlite.decoding.replay` aggregates: greedy metrics at top level, each temperature under
 `by_temperature`. Pure python: no MLflow here, so the card is testable on its own.
 """
 
 import math
 from typing import Dict, List, Optional, Tuple
 
-TRAIN_STAGES = ("teacher", "align", "dspark")
+from dlite.config_schema import TRAIN_STAGES  # noqa: F401 (publish reads it from here)
 
 
 def report_methods(report: dict) -> Dict[str, dict]:

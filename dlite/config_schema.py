@@ -8,6 +8,8 @@ from typing import List, Optional
 from dlite.models.config import DrafterConfig
 
 STAGES = ["collect", "teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"]
+# The stages `jobs.train` runs (align_no_teacher is `align` without its teacher input).
+TRAIN_STAGES = ("teacher", "align", "dspark")
 
 @dataclass
 class RunConfig:

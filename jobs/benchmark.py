@@ -11,7 +11,7 @@ DeepSpec layout, and collect-stage throughput with 1 and 2 actors.
 same-math check (1 worker vs the plain loop) and the teacher-stage ablation (student
 val_tau after teacher -> align vs align with `train.skip_teacher=true`), on shards it
 collects itself.
-`quality`: the headline comparison (issue 9): DLite, DLite without the teacher stage and
+`quality`: the headline comparison: DLite, DLite without the teacher stage and
 the DSpark-style baseline, same data and step budget, trained on a 1536-token window and
 evaluated on held-out histories up to 16K tokens; ratios, goals, draft cost; plots.
 `--ablations all|a,b` adds the why-table: DLite with one switch changed at a time.
@@ -46,7 +46,7 @@ def collect(cfg, args) -> dict:
     # Rates, not volume: a small input (at most 16 records, fewer via data.n_train=N), and
     # at most 5 interleaved bare/collection repetitions (fewer via --rounds): each is a
     # full pass over the input, so draft_cost's 20 would take minutes on CPU.
-    from pipelines.collect_bench import run
+    from pipelines.benchmarks.collect import run
     n = min(16, cfg.data.n_train)
     return run(cfg, records=n, repetitions=min(args.rounds, 5), collect_records=n)
 
@@ -54,15 +54,15 @@ def collect(cfg, args) -> dict:
 def train(cfg, args) -> dict:
     # Sizes are config: data.n_train / n_heldout records, train.steps_dspark for the
     # engine comparison, train.steps_teacher / steps_align for the ablation.
-    from pipelines.train_bench import benchmark
+    from pipelines.benchmarks.train import benchmark
     return benchmark(cfg, args.work_dir)
 
 
 def quality(cfg, args) -> dict:
     # DLite vs DSpark-style vs no-teacher on histories >= 8x the training window
-    # (the pipeline DAG with the settings of pipelines/quality_bench.py); plots beside --out.
-    from pipelines import ablations
-    from pipelines.quality_bench import run
+    # (the pipeline DAG with the settings of pipelines/benchmarks/quality.py); plots beside --out.
+    from pipelines.benchmarks import ablations
+    from pipelines.benchmarks.quality import run
     return run(cfg, args.out, ablations=ablations.parse(args.ablations) if args.ablations else (),
                budget=args.budget)
 
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                        help="quality: optimiser steps per method (DLite: half teacher, half align)")
         p.add_argument("--ablations", default=None,
                        help="quality: also train + replay these DLite variants ('all' or a comma list of "
-                            "pipelines.ablations.ABLATIONS), each under the same budget")
+                            "pipelines.benchmarks.ablations.ABLATIONS), each under the same budget")
 
     name, (args, cfg) = argv[0], parse_args(argv[1:], extra)
     if args.dry_run:

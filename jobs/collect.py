@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
     from dlite.data.shards import ShardError
-    from pipelines.collect import CollectError, collect
+    from pipelines.stages.collect import CollectError, collect
     try:
         manifest = collect(cfg, src, out)
     except (CollectError, ShardError) as e:

@@ -6,7 +6,7 @@
 Every drafter replays the same held-out agent trajectories (built-in split, or
 `data.heldout_path` JSONL) turn by turn: acceptance spread over `eval.num_workers` Ray
 tasks, then speed on one worker, plain and speculative interleaved (see
-`pipelines/evaluate.py`). A drafter's name defaults to its kind (`dlite`,
+`pipelines/stages/evaluate.py`). A drafter's name defaults to its kind (`dlite`,
 `dlite_no_teacher`, `dspark`) read from its config.json. Writes the report of
 ARCHITECTURE.md §3 to `--out`, plots beside it, and an `evaluate` MLflow run (a child of
 `--parent-run-id` when given) with the metrics, report and plots.
@@ -21,7 +21,7 @@ from jobs.cli import parse_args
 
 
 def _drafters(specs: list) -> dict:
-    from pipelines.evaluate import method_name
+    from pipelines.stages.evaluate import method_name
     out = {}
     for spec in specs:
         name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     print(f"[evaluate] {', '.join(f'{k}={v}' for k, v in drafters.items())} -> {out}", flush=True)
     if args.dry_run:
         return 0
-    from pipelines.evaluate import REPORT, evaluate_stage
+    from pipelines.stages.evaluate import REPORT, evaluate_stage
     shutil.rmtree(work, ignore_errors=True)  # a fresh evaluation each time this job runs
     report = evaluate_stage(cfg, drafters, work, args.parent_run_id)
     out.parent.mkdir(parents=True, exist_ok=True)

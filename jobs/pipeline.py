@@ -1,4 +1,4 @@
-"""The main job: the whole pipeline as a DAG (see `pipelines/dag.py`).
+"""The main job: the whole pipeline as a DAG (see `pipelines/orchestration/dag.py`).
 
     python -m jobs.pipeline --config FILE [--dry-run] [--only S1,S2 | --from S] [key=value ...]
 
@@ -24,8 +24,8 @@ def _flags(p) -> None:
 def main(argv=None) -> int:
     args, cfg = parse_args(argv, _flags)
     from dlite.config import ConfigError, config_hash, to_yaml, validate
-    from pipelines.dag import PipelineError, home_dir, plan
-    from pipelines.target_fetch import TargetFetchError, is_remote, localize
+    from pipelines.orchestration.dag import PipelineError, home_dir, plan
+    from pipelines.common.target_fetch import TargetFetchError, is_remote, localize
     source = cfg.target.path
     if is_remote(source) and not args.dry_run:  # copied once; a dry run only names it
         try:
@@ -51,9 +51,10 @@ def main(argv=None) -> int:
 
 def _run(cfg, stages, source: str) -> int:
     from dlite.config import config_hash
-    from pipelines import results, tracking
-    from pipelines.dag import Context, execute, open_home
-    from pipelines.runners import RUNNERS
+    from pipelines.orchestration import results
+    from pipelines.common import tracking
+    from pipelines.orchestration.dag import Context, execute, open_home
+    from pipelines.orchestration.runners import RUNNERS
     t0 = time.time()
     home, parent = open_home(cfg, {"dlite.config_hash": config_hash(cfg), "dlite.target_source": source})
     print(f"[pipeline] MLflow: {tracking.run_link(cfg.tracking.uri, parent)}", flush=True)

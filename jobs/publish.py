@@ -30,7 +30,7 @@ def _flags(parser) -> None:
 def main(argv=None) -> int:
     args, cfg = parse_args(argv, extra=_flags)
     from dlite.card import primary_method
-    from pipelines.publish import drafter_sha256, publish, read_drafter
+    from pipelines.stages.publish import drafter_sha256, publish, read_drafter
     try:
         report = json.loads(Path(args.report).read_text())
         drafter, method = read_drafter(Path(args.drafter)), primary_method(report, args.method)

@@ -16,9 +16,8 @@ resumes an interrupted stage from its latest checkpoint; a finished one is retur
 import json
 import sys
 
+from dlite.config_schema import TRAIN_STAGES as STAGES
 from jobs.cli import parse_args
-
-STAGES = ("teacher", "align", "dspark")
 
 
 def _flags(parser) -> None:
@@ -36,7 +35,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
     from dlite.data.shards import ShardError
-    from pipelines.train import TrainError, train_stage
+    from pipelines.stages.train import TrainError, train_stage
     try:
         summary = train_stage(cfg, args.stage, args.input, args.output, teacher=args.teacher,
                               heldout=args.heldout, parent_run_id=args.parent_run_id)

@@ -1,5 +1,5 @@
 """Scheduled retraining: watch a target source and submit the pipeline once per new
-checkpoint fingerprint (the rules are in pipelines/checkpoints.py):
+checkpoint fingerprint (the rules are in pipelines/retraining/checkpoints.py):
 
     python -m jobs.watch_target --config FILE --source SRC [--address URL] [--once]
         [--interval SECONDS] [--dry-run] [--pipeline-args="..."] [key=value ...]
@@ -21,7 +21,7 @@ from jobs.cli import parse_args
 
 
 def _flags(parser) -> None:
-    from pipelines.watch import REPO_ROOT
+    from pipelines.retraining.watch import REPO_ROOT
     parser.add_argument("--source", default=None, help="what to watch (see above); required")
     parser.add_argument("--address", default=None, help="Ray job API, e.g. http://head:8265")
     parser.add_argument("--once", action="store_true", help="check once and exit (cron)")
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         print("watch_target: --source is required; --interval > 0; --min-age >= 0", file=sys.stderr)
         return 2
     from pathlib import Path
-    from pipelines.watch import Options, watch
+    from pipelines.retraining.watch import Options, watch
     # One spelling per local source: its MLflow record is found by it.
     source = args.source if ":/" in args.source else str(Path(args.source).resolve())
     opts = Options(source=source, config_path=args.config, overrides=list(args.overrides),

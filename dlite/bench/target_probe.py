@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from dlite.spec.metrics import bucket_labels, bucket_of
+from dlite.decoding.metrics import bucket_labels, bucket_of
 from dlite.tiny.copyeval import copy_mask
 
 

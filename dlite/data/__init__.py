@@ -8,6 +8,6 @@
 - `features` -- the target forward with hooks on the captured layers + reference signal.
 - `shards`   -- the feature-shard schema, manifest, atomic writer, checksums, readers.
 
-`pipelines/collect.py` runs these on Ray Data; the train stage reads shards through
-`shards.iter_records` (or `pipelines.collect.read_shards` for a Ray Dataset).
+`pipelines/stages/collect.py` runs these on Ray Data; the train stage reads shards through
+`shards.iter_records` (or `pipelines.stages.collect.read_shards` for a Ray Dataset).
 """

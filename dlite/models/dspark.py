@@ -10,11 +10,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dlite.models.common import (Backbone, attach_target, RMSNorm, StaticMemory, as_batched,
-                                 block_layout, init_weights, sample_block)
+from dlite.models.common import as_batched, attach_target, block_inputs, block_layout, embed_in, init_weights, sample_block
 from dlite.models.config import DrafterConfig
-from dlite.models.drafter import block_inputs, embed_in
-from dlite.models.teacher import HistoryCache, extend_history, packed_block_mask, packed_history_kv
+from dlite.models.history import HistoryCache, extend_history, packed_block_mask, packed_history_kv
+from dlite.models.layers import Backbone, RMSNorm, StaticMemory
 
 
 class MarkovHead(nn.Module):

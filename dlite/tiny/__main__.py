@@ -33,7 +33,7 @@ def main(argv=None) -> int:
         spec = TargetSpec(**{f.name: getattr(args, f.name) for f in fields(TargetSpec)})
         print(json.dumps(build(Path(args.out), spec, log=lambda s: print(s, flush=True)), indent=2))
     else:
-        from dlite.tiny import corpus
+        from dlite.corpus import trajectories as corpus
         recs = corpus.generate(args.split, args.n, args.seed, args.min_chars, args.max_chars)
         print(json.dumps({"written": corpus.write_jsonl(recs, args.out), "path": args.out}))
     return 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dlite.tiny import corpus
+from dlite.corpus import trajectories as corpus
 from dlite.tiny.copyeval import evaluate, repeated_random
 from dlite.tiny.tokenizer import SPECIAL_TOKENS, render, train_tokenizer
 

@@ -2,4 +2,4 @@
 resumable `BatchStream`), the loss/metrics step and validation (`step.py`), the
 optimiser schedule and the plain-torch engine (`optim.py`), the one readable loop
 (`loop.py`) and what each stage trains (`stage.py`: teacher / align / dspark). The
-Ray Train + DeepSpeed adapter in `pipelines/train.py` drives these unchanged."""
+Ray Train + DeepSpeed adapter in `pipelines/stages/train.py` drives these unchanged."""

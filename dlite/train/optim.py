@@ -24,7 +24,7 @@ def adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
 
 class PlainEngine:
     """Single-process torch: accumulate `grad_accum` micro-batches, clip, step. The
-    engine surface every engine offers (`pipelines.engine.DeepSpeedEngine` too):
+    engine surface every engine offers (`pipelines.stages.engine.DeepSpeedEngine` too):
     `module`, `device`, `dtype`, `backward`, `step`, `set_lr`, `global_steps`,
     `gathered`; resume state here is `state_dict` / `load_state_dict`."""
 

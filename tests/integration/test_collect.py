@@ -23,8 +23,8 @@ from dlite.config import load_config
 from dlite.data import formats, shards
 from dlite.data.formats import Quarantine
 from dlite.data.shards import ShardError
-from dlite.tiny import corpus
-from pipelines.collect import CollectError, CollectSettings, collect, read_shards
+from dlite.corpus import trajectories as corpus
+from pipelines.stages.collect import CollectError, CollectSettings, collect, read_shards
 
 SWE_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "swe-bench-prompts.jsonl"
 CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, friend."}]

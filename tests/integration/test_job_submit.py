@@ -17,7 +17,7 @@ def test_ray_job_submit_runs_the_pipeline(ray_head, mlflow_server, repo_root, tm
     from mlflow import MlflowClient
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    from pipelines.watch import EXCLUDES
+    from pipelines.retraining.watch import EXCLUDES
     sid = f"dlite-test-{uuid.uuid4().hex[:8]}"
     env = {"excludes": EXCLUDES, "env_vars": {"DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}}
     cmd = [str(Path(sys.executable).with_name("ray")), "job", "submit", "--address", ray_head,

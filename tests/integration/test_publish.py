@@ -19,10 +19,10 @@ from dlite import target as tgt
 from dlite.config import config_hash, load_config
 from dlite.export import save_drafter
 from dlite.models import build_drafter
-from dlite.train import stage as st
-from pipelines import tracking
-from pipelines.plots import loss_curves_from_mlflow
-from pipelines.publish import publish
+from dlite.train import plan as st
+from pipelines.common import tracking
+from pipelines.common.plots import loss_curves_from_mlflow
+from pipelines.stages.publish import publish
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from dlite import target
 from dlite.config import load_config
 from dlite.tiny import TARGET_PATH, TOKENIZER_PATH
-from pipelines.target_fetch import SOURCE_FILE, TargetFetchError, localize
+from pipelines.common.target_fetch import SOURCE_FILE, TargetFetchError, localize
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_a_crashed_copy_is_not_trusted(tmp_path, checkpoint):
 
 
 def test_registered_model_version(tmp_path, checkpoint, mlflow_server):
-    from pipelines import tracking
+    from pipelines.common import tracking
     c = tracking.client(mlflow_server)
     exp = c.create_experiment("target-fetch-test")
     run = c.create_run(exp)

@@ -36,7 +36,7 @@ def _target(random_target) -> tuple:
 @pytest.fixture(scope="module")
 def setup(ray_session, random_target, mlflow_server, tmp_path_factory):
     """(overrides, shard dir, MLflow uri): 24 records of 192 tokens, `full` mode."""
-    from pipelines.collect import collect
+    from pipelines.stages.collect import collect
     tmp = tmp_path_factory.mktemp("train")
     path, name = _target(random_target)
     uri = mlflow_server
@@ -63,14 +63,14 @@ def _parent_run(uri: str, experiment: str) -> str:
 
 def _load(cfg, out: Path):
     from dlite.export import load_drafter
-    from dlite.train.stage import load_vocab
+    from dlite.train.plan import load_vocab
     embed, lm_head, _ = load_vocab(cfg.target)
     meta = json.loads((out / "drafter" / "config.json").read_text())
     return load_drafter(out / "drafter", embed, lm_head), meta
 
 
 def test_teacher_then_align_survives_a_worker_crash(setup, tmp_path, monkeypatch):
-    from pipelines.train import train_stage
+    from pipelines.stages.train import train_stage
     over, shards, uri = setup
     cfg = load_config("configs/experiments/tiny.yaml", over)
     parent = _parent_run(uri, cfg.tracking.experiment)
@@ -117,7 +117,7 @@ def _check_tracking(uri: str, parent: str, align_run: str) -> None:
 
 
 def test_dspark_same_math_and_engine_overhead(setup, tmp_path):
-    from pipelines.train_bench import engine_overhead
+    from pipelines.benchmarks.train import engine_overhead
     over, shards, _ = setup
     cfg = load_config("configs/experiments/tiny.yaml", over)
     report = engine_overhead(cfg, shards, tmp_path, stage="dspark")
@@ -133,8 +133,8 @@ def test_dspark_same_math_and_engine_overhead(setup, tmp_path):
 
 def test_bad_inputs_fail_before_ray(setup, tmp_path, random_target):
     from dlite.data.shards import ShardError
-    from pipelines.stages import TrainError
-    from pipelines.train import train_stage
+    from pipelines.stages.train_inputs import TrainError
+    from pipelines.stages.train import train_stage
     over, shards, _ = setup
     cfg = load_config("configs/experiments/tiny.yaml", over)
     with pytest.raises(TrainError, match="--teacher"):
@@ -155,9 +155,9 @@ def test_anchor_shards_train_the_student_only(setup, tmp_path):
     """An `anchors` collection (features at the anchors only) trains the DLite student
     against the target through Ray Train + DeepSpeed; the teacher stage refuses it
     before Ray, naming the storage mode and the way out."""
-    from pipelines.collect import collect
-    from pipelines.stages import TrainError
-    from pipelines.train import train_stage
+    from pipelines.stages.collect import collect
+    from pipelines.stages.train_inputs import TrainError
+    from pipelines.stages.train import train_stage
     over, _, _ = setup
     over = [*over, "data.n_train=8", "cluster.num_workers=1", "train.steps_align=3", "train.eval_every=0"]
     cfg = load_config("configs/experiments/tiny.yaml", [*over, "data.storage_mode=anchors"])
@@ -180,7 +180,7 @@ def test_jobs_train_dry_run(repo_root, tmp_path):
 
 def test_engine_settings_come_from_our_config():
     from omegaconf import OmegaConf
-    from pipelines.engine import EngineSettings, ds_config, resolve
+    from pipelines.stages.engine import EngineSettings, ds_config, resolve
     cfg = load_config("configs/experiments/tiny.yaml", ["train.batch_size=3", "train.grad_accum=2",
                                                         "train.zero_stage=2", "train.grad_clip=0.5"])
     s = resolve(cfg.train, on_gpu=False)

@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 
 from dlite import target, tiny
 from jobs import watch_target
-from pipelines import tracking, watch
-
+from pipelines.common import tracking
+from pipelines.retraining import watch
 CHEAP = "--dry-run"  # the pipeline validates and plans on the new target, then exits
 
 
@@ -97,7 +97,7 @@ def test_new_checkpoint_submitted_exactly_once(tmp_path, ray_head, mlflow_server
     assert f"path: {src / 'ckpt-1'}" in logs  # the pipeline planned on the new target
     info = client.get_job_info(sid)
     assert "--dry-run" in info.entrypoint and f"tracking.uri={mlflow_server}" in info.entrypoint
-    from pipelines.publish import git_commit
+    from pipelines.stages.publish import git_commit
     assert info.runtime_env["env_vars"]["DLITE_GIT_COMMIT"] == git_commit() != "unknown"
     tags = watcher_tags(mlflow_server, name)
     assert json.loads(tags[f"dlite.watch.fp.{fp}"])["submission_id"] == sid

@@ -4,8 +4,8 @@ ablation's config = the benchmark's plus exactly its overrides (DLite stages onl
 import pytest
 
 from dlite.config import load_config
-from pipelines import ablations
-from pipelines.quality_bench import bench_config
+from pipelines.benchmarks import ablations
+from pipelines.benchmarks.quality import bench_config
 
 
 def test_parse_names():

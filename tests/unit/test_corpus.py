@@ -1,4 +1,4 @@
-"""Unit tests for the built-in agent-trajectory corpus (`dlite.tiny.corpus`): the
+"""Unit tests for the built-in agent-trajectory corpus (`dlite.corpus.trajectories`): the
 record shape other stages rely on, determinism, split hygiene, the copy property of
 edits, and length control."""
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dlite.tiny import corpus as C
-
+from dlite.corpus import trajectories as C
 _FILE_ARG = re.compile(r"\.py$")
 
 

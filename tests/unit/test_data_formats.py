@@ -10,7 +10,8 @@ import pytest
 
 from dlite.data import anchors, formats, render
 from dlite.data.formats import Quarantine
-from dlite.tiny import corpus, load_tokenizer
+from dlite.corpus import trajectories as corpus
+from dlite.tiny import load_tokenizer
 from dlite.tiny.tokenizer import CHAT_TEMPLATE
 
 CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}]

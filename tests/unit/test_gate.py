@@ -6,7 +6,7 @@ import pytest
 
 from dlite.card import card_sections, primary_method, report_methods
 from dlite.export import model_card
-from pipelines.publish import metric_tags, release_gate, tagged_metrics
+from pipelines.stages.publish import metric_tags, release_gate, tagged_metrics
 
 GATE = {"min_tau": 1.5, "min_speedup": 1.0, "tolerance": 0.05}
 

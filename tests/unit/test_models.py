@@ -11,7 +11,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 from dlite.models import DrafterConfig, build_drafter, init_student_from_teacher, param_count
-from dlite.models.common import DecoderLayer, rope_cos_sin
+from dlite.models.layers import DecoderLayer, rope_cos_sin
 
 V, HT, K = 40, 24, 2          # vocab, target hidden (≠ drafter width: projections in use), layers
 MASK = V - 1

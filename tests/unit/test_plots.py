@@ -1,4 +1,4 @@
-"""Unit tests for pipelines.plots: every plot is a real PNG that draws each method /
+"""Unit tests for pipelines.common.plots: every plot is a real PNG that draws each method /
 stage in its own colour, gaps (None) do not break a plot, and bad input fails with an
 error naming what is missing. `loss_curves_from_mlflow` is covered against a real
 MLflow server in tests/integration/test_publish.py."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from pipelines.plots import accept_at_k_plot, loss_curves_plot, tau_by_bucket_plot
+from pipelines.common.plots import accept_at_k_plot, loss_curves_plot, tau_by_bucket_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # matplotlib's default cycle: the first three methods (sorted by name) get these colours.

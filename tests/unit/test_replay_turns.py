@@ -4,10 +4,8 @@ last one (so long-history evaluations reach the longest histories)."""
 import pytest
 
 from dlite import tiny
-from dlite.spec.replay import iter_tasks, pick_turns
-from dlite.tiny import corpus
-
-
+from dlite.decoding.replay import iter_tasks, pick_turns
+from dlite.corpus import trajectories as corpus
 @pytest.mark.parametrize("n,k,how,want", [
     (10, 3, "first", [0, 1, 2]), (10, 3, "spread", [0, 4, 9]), (10, 4, "spread", [0, 3, 6, 9]),
     (10, 1, "spread", [9]), (2, 5, "spread", [0, 1]), (4, None, "spread", [0, 1, 2, 3]),

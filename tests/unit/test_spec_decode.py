@@ -11,12 +11,12 @@ import torch
 from scipy.stats import chisquare
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dlite.spec import decode, verify
-from dlite.spec.capture import LayerCapture
-from dlite.spec.decode import crop_cache, new_cache, plain_generate, speculative_generate, target_forward
-from dlite.spec.metrics import accept_at_k, tau
-from dlite.spec.oracle import RandomDrafter, TargetAsDrafter
-from dlite.spec.replay import evaluate_prompts, iter_tasks
+from dlite.decoding import decode, verify
+from dlite.decoding.capture import LayerCapture
+from dlite.decoding.decode import crop_cache, new_cache, plain_generate, speculative_generate, target_forward
+from dlite.decoding.metrics import accept_at_k, tau
+from dlite.decoding.oracle import RandomDrafter, TargetAsDrafter
+from dlite.decoding.replay import evaluate_prompts, iter_tasks
 
 GAMMA = 4
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dlite import tiny
-from dlite.tiny import corpus
+from dlite.corpus import trajectories as corpus
 from dlite.tiny.build import TargetSpec, heldout_set
 from dlite.tiny.copyeval import copy_mask, evaluate
 from dlite.tiny.tokenizer import MASK_TOKEN, render

@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 from dlite import target as tgt
 from dlite.config import load_config
 from dlite.models import build_drafter
-from dlite.spec.decode import plain_generate, speculative_generate
-from dlite.tiny import corpus
+from dlite.decoding.decode import plain_generate, speculative_generate
+from dlite.corpus import trajectories as corpus
 from dlite.train.data import collate, epoch_batches, inprocess_rows
 from dlite.train.loop import LoopConfig, train_loop
 from dlite.train.optim import PlainEngine, lr_at
@@ -112,7 +112,7 @@ def test_shuffle_buffer_is_a_seeded_permutation():
 
 
 def test_stage_plans():
-    from dlite.train.stage import loop_config, plan_stage
+    from dlite.train.plan import loop_config, plan_stage
     cfg = load_config("configs/experiments/tiny.yaml", ["train.steps_align=10", "train.distill_frac=0.3"])
     assert plan_stage(cfg, "teacher").arch == "teacher"
     assert plan_stage(cfg, "dspark").arch == "dspark"
@@ -127,7 +127,7 @@ def test_stage_plans():
 
 
 def test_heldout_ids_are_stable_and_whole_records():
-    from dlite.train.stage import heldout_ids
+    from dlite.train.plan import heldout_ids
     ids = [f"rec-{i}" for i in range(30)] * 2  # every record split in two parts
     held = heldout_ids(ids, 3)
     assert held == heldout_ids(list(reversed(ids)), 3) and len(held) == 3
@@ -152,7 +152,7 @@ def test_validate_pools_batches_like_one_batch():
 
 
 def test_load_vocab_reads_only_what_drafters_share(setup):
-    from dlite.train.stage import load_vocab
+    from dlite.train.plan import load_vocab
     cfg, model, tok, _ = setup
     embed, lm_head, mask = load_vocab(cfg.target)
     want = tgt.shared_vocab(model, tok)
@@ -202,8 +202,8 @@ def test_anchor_shards_give_the_student_the_same_loss_as_full_ones(setup, refere
 
 
 def test_only_the_student_without_teacher_takes_anchor_shards():
-    from dlite.train.stage import plan_stage
-    from pipelines.stages import require_full
+    from dlite.train.plan import plan_stage
+    from pipelines.stages.train_inputs import require_full
     cfg = load_config("configs/experiments/tiny.yaml")
     assert "teacher" in require_full(plan_stage(cfg, "align"))
     assert "every position" in require_full(plan_stage(cfg, "teacher"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dlite.spec import verify as V
+from dlite.decoding import verify as V
 
 
 

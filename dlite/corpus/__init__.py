@@ -1,0 +1,1 @@
+"""The built-in agent-trajectory corpus: OpenAI-style trajectories over real standard-library source, for any target."""

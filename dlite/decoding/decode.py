@@ -1,0 +1,167 @@
+"""The speculative decoding loop over a real target with a KV cache, and the plain
+autoregressive loop it is measured against (same cache code, same sampling function,
+same stopping rules: the fair denominator of every speedup).
+
+Positions: the target has processed tokens 0..t-1; the anchor x_t (last accepted or
+bonus token) is not yet processed. One round: the drafter proposes d_1..d_γ from the
+features of the positions verified since its last call; the target runs
+[x_t, d_1..d_γ] at positions t..t+γ in ONE cached forward; `verify_block` keeps a
+drafts and picks the next token; the cache is cropped to t+a+1 entries and the
+captured features of positions t..t+a (only t+a for a history-free drafter) feed the
+next draft, whose anchor is the new token at position t+a+1.
+
+Cache API (transformers 5.24): the forward kwarg is `cache=` (`past_key_values=` still
+works but warns that it is deprecated); `DynamicCache.crop(n)` REMOVES n tokens when
+n < 0 and raises for n > 0 (4.x read a positive n as the new length), so `crop_cache`
+always passes a negative count, which both major versions understand."""
+
+import functools
+import inspect
+import time
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from transformers import DynamicCache
+
+from dlite.decoding.capture import LayerCapture
+from dlite.decoding.verify import sample_token, verify_block
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(model_cls) -> str:
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def new_cache(model) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions of every layer of the cache."""
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} to {length}")
+    if extra:
+        cache.crop(-extra)
+
+
+def target_forward(target, ids: torch.Tensor, start: int, cache: DynamicCache,
+                   logits_to_keep: int = 0) -> torch.Tensor:
+    """Run ids [n] at positions start..start+n-1 through the target, extending `cache`.
+    Returns logits [n or logits_to_keep, V] for batch row 0."""
+    pos = torch.arange(start, start + ids.shape[0], device=ids.device)[None]
+    kw = {_cache_kwarg(type(target)): cache}
+    out = target(input_ids=ids[None], position_ids=pos, use_cache=True,
+                 logits_to_keep=logits_to_keep, **kw)
+    return out.logits[0]
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _sync(device: torch.device) -> None:
+    # Timings split draft / verify only if queued GPU work is finished at each mark.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _as_ids(prompt_ids, device) -> torch.Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("prompt_ids is empty")
+    return ids
+
+
+def _extend(out: List[int], tokens: Iterable[int], eos: set, max_new: int) -> bool:
+    """Append tokens until EOS (kept) or the budget; True when generation is over."""
+    for tok in tokens:
+        out.append(tok)
+        if tok in eos or len(out) >= max_new:
+            return True
+    return False
+
+
+def _round(target, drafter, cap, cache, state, feats, anchor: int, t: int, sampling: dict):
+    """One draft + verify round. Returns (tokens to emit, accepted a, new features,
+    drafter state, draft_ms, verify_ms)."""
+    dev = _device(target)
+    t0 = time.perf_counter()
+    tokens, probs, state = drafter.draft(state, feats, anchor, t, sampling["temperature"],
+                                         sampling["generator"])
+    tokens = tokens.reshape(-1).to(dev)
+    _sync(dev)
+    t1 = time.perf_counter()
+    block = torch.cat([torch.tensor([anchor], device=dev), tokens])
+    logits = target_forward(target, block, t, cache)
+    _sync(dev)
+    t2 = time.perf_counter()
+    probs = probs.to(dev) if probs is not None else None  # greedy never reads them
+    a, nxt = verify_block(tokens, probs, logits, **sampling)
+    crop_cache(cache, t + a + 1)
+    f = cap.features()
+    feats = f[: a + 1] if drafter.needs_history else f[a: a + 1]
+    return tokens[:a].tolist() + [nxt], a, feats, state, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+
+
+@torch.inference_mode()
+def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
+                         top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
+                         generator: Optional[torch.Generator] = None) -> Tuple[List[int], List[dict]]:
+    """Generate up to `max_new_tokens` tokens (stopping after an EOS) with `drafter`.
+    Returns (new token ids, one record per round: context_len, accepted, emitted,
+    draft_ms, verify_ms, other_ms, cache_bytes). The prefill's token is not a round."""
+    dev, eos = _device(target), {int(e) for e in eos_ids}
+    prompt = _as_ids(prompt_ids, dev)
+    out, rounds = [], []
+    if max_new_tokens <= 0:
+        return out, rounds
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+    with LayerCapture(target, drafter.target_layer_ids) as cap:
+        cache = new_cache(target)
+        cap.last_only = not drafter.needs_history  # never hold all prompt rows for it
+        logits = target_forward(target, prompt, 0, cache, logits_to_keep=1)
+        feats, cap.last_only = cap.features(), False
+        t, anchor, state = prompt.shape[0], sample_token(logits[-1], **sampling), drafter.new_state()
+        done = _extend(out, [anchor], eos, max_new_tokens)
+        while not done:
+            start = time.perf_counter()
+            emit, a, feats, state, d_ms, v_ms = _round(target, drafter, cap, cache, state, feats,
+                                                       anchor, t, sampling)
+            n_before = len(out)
+            done = _extend(out, emit, eos, max_new_tokens)
+            total_ms = (time.perf_counter() - start) * 1e3
+            rounds.append(dict(context_len=t, accepted=a, emitted=len(out) - n_before,
+                               draft_ms=d_ms, verify_ms=v_ms, other_ms=total_ms - d_ms - v_ms,
+                               cache_bytes=int(drafter.cache_bytes(state))))
+            t, anchor = t + a + 1, emit[-1]
+    return out, rounds
+
+
+@torch.inference_mode()
+def plain_generate(target, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
+                   top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
+                   generator: Optional[torch.Generator] = None) -> Tuple[List[int], dict]:
+    """Plain autoregressive decoding with the same cache and stopping rules.
+    Returns (new token ids, {prefill_ms, decode_ms, steps})."""
+    dev, eos = _device(target), {int(e) for e in eos_ids}
+    prompt = _as_ids(prompt_ids, dev)
+    out: List[int] = []
+    timing = dict(prefill_ms=0.0, decode_ms=0.0, steps=0)
+    if max_new_tokens <= 0:
+        return out, timing
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
+    cache = new_cache(target)
+    t0 = time.perf_counter()
+    logits = target_forward(target, prompt, 0, cache, logits_to_keep=1)
+    tok = sample_token(logits[-1], **sampling)
+    t1 = time.perf_counter()
+    done, t = _extend(out, [tok], eos, max_new_tokens), prompt.shape[0]
+    while not done:
+        logits = target_forward(target, torch.tensor([tok], device=dev), t, cache)
+        tok, t = sample_token(logits[-1], **sampling), t + 1
+        done = _extend(out, [tok], eos, max_new_tokens)
+        timing["steps"] += 1
+    timing.update(prefill_ms=(t1 - t0) * 1e3, decode_ms=(time.perf_counter() - t1) * 1e3)
+    return out, timing

@@ -1,0 +1,209 @@
+"""Trajectory replay: speculative vs plain decoding of the target on the assistant turns
+of recorded agent trajectories, measured interleaved, reported under DLITE.md §4 names.
+
+Inputs, one record each:
+- an agent trajectory `{"id", "messages", "tools"?}` (OpenAI chat): every assistant
+  turn i is generated from the RECORDED history `messages[:i]`, so histories grow
+  turn by turn exactly as in the agent run;
+- a DeepSpec-style prompt `{"turns": [str, ...]}`: turn j is a user message after the
+  earlier turns and the target's own (plain, greedy-identical) replies to them.
+Each history is rendered with the tokenizer's chat template (`add_generation_prompt`)
+and generated until `<|im_end|>` (the tokenizer's EOS) or `max_new_tokens`.
+
+Speed is compared on the decode phase (after the prefill that yields the first token,
+identical work in both loops): replay re-prefills every history from scratch, which a
+real agent with prefix caching would not, so end-to-end figures (`*_e2e`) understate
+the decode speedup on long histories; both are reported."""
+
+import dataclasses
+import time
+from typing import Iterable, Iterator, List, Optional, Sequence
+
+import torch
+
+from dlite.decoding import metrics
+from dlite.decoding.decode import plain_generate, speculative_generate
+
+
+@dataclasses.dataclass
+class EvalArgs:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    buckets: Sequence[int] = metrics.DEFAULT_BUCKETS
+    max_context: Optional[int] = None   # longer histories are skipped (and counted)
+    max_turns: Optional[int] = None     # assistant turns per record, None = all
+    turn_pick: str = "first"            # which max_turns: "first" or "spread" (to the last)
+    seed: int = 0
+    warmup: bool = True                 # one untimed short run of each loop first
+
+
+def resolve_args(args=None, **overrides) -> EvalArgs:
+    """EvalArgs from a dict, a config section (attributes) or None, plus overrides."""
+    out = EvalArgs()
+    for f in dataclasses.fields(EvalArgs):
+        if isinstance(args, dict) and f.name in args:
+            setattr(out, f.name, args[f.name])
+        elif args is not None and not isinstance(args, dict) and hasattr(args, f.name):
+            setattr(out, f.name, getattr(args, f.name))
+    return dataclasses.replace(out, **overrides)
+
+
+def _text(content) -> str:
+    """OpenAI content: a string or a list of parts; only text parts are rendered."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def render_ids(tokenizer, messages: List[dict], tools=None) -> List[int]:
+    msgs = [dict(m, content=_text(m.get("content"))) for m in messages]
+    text = tokenizer.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def pick_turns(n: int, max_turns: Optional[int], how: str = "first") -> List[int]:
+    """Which of n turns to replay: the first `max_turns`, or `max_turns` spread evenly
+    from the first to the last (histories of every length, the longest included)."""
+    if max_turns is None or max_turns >= n:
+        return list(range(n))
+    if how == "first" or max_turns < 2:
+        return list(range(max_turns)) if how == "first" else [n - 1]
+    return sorted({round(k * (n - 1) / (max_turns - 1)) for k in range(max_turns)})
+
+
+def iter_tasks(tokenizer, record: dict, max_turns: Optional[int] = None, how: str = "first") -> Iterator[dict]:
+    """Yield {"id", "turn", "prompt_ids"} per turn to generate. For `turns` records the
+    consumer must set task["reply_ids"] before asking for the next turn (so those are
+    always replayed from the first turn on)."""
+    rid = record.get("id")
+    if "messages" in record:
+        msgs = record["messages"]
+        turns = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+        for n in pick_turns(len(turns), max_turns, how):
+            yield {"id": rid, "turn": n, "prompt_ids": render_ids(tokenizer, msgs[:turns[n]], record.get("tools"))}
+        return
+    history: List[dict] = []
+    for n, user in enumerate(record["turns"][:max_turns]):
+        history.append({"role": "user", "content": user})
+        task = {"id": rid, "turn": n, "prompt_ids": render_ids(tokenizer, history)}
+        yield task
+        reply = tokenizer.decode(task.get("reply_ids", []), skip_special_tokens=True)
+        history.append({"role": "assistant", "content": reply})
+
+
+def _drafter_for(drafter, prompt_ids):
+    """A drafter instance, or a factory prompt_ids -> drafter (e.g. TargetAsDrafter)."""
+    return drafter if hasattr(drafter, "draft") else drafter(prompt_ids)
+
+
+def _run_task(target, drafter, task: dict, a: EvalArgs, eos, spec_first: bool, seed: int) -> dict:
+    """Both loops on one prompt, in the given order, with per-loop seeded generators."""
+    dev = next(target.parameters()).device
+    kw = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, eos_ids=eos)
+    res = {"id": task["id"], "turn": task["turn"], "context_len": len(task["prompt_ids"])}
+
+    def spec():
+        d = _drafter_for(drafter, task["prompt_ids"])
+        t0 = time.perf_counter()
+        ids, rounds = speculative_generate(target, d, task["prompt_ids"], a.max_new_tokens,
+                                           generator=torch.Generator(dev).manual_seed(seed), **kw)
+        res.update(spec_ids=ids, rounds=rounds, gamma=d.gamma,
+                   spec_e2e_ms=(time.perf_counter() - t0) * 1e3,
+                   spec_ms=sum(r["draft_ms"] + r["verify_ms"] + r["other_ms"] for r in rounds))
+
+    def plain():
+        t0 = time.perf_counter()
+        ids, timing = plain_generate(target, task["prompt_ids"], a.max_new_tokens,
+                                     generator=torch.Generator(dev).manual_seed(seed), **kw)
+        res.update(plain_ids=ids, plain_ms=timing["decode_ms"],
+                   plain_e2e_ms=(time.perf_counter() - t0) * 1e3)
+
+    for run in ((spec, plain) if spec_first else (plain, spec)):
+        run()
+    return res
+
+
+def _first_mismatch(res: dict) -> Optional[dict]:
+    s, p = res["spec_ids"], res["plain_ids"]
+    for k in range(max(len(s), len(p))):
+        if k >= len(s) or k >= len(p) or s[k] != p[k]:
+            return {"id": res["id"], "turn": res["turn"], "index": k,
+                    "spec": s[k] if k < len(s) else None, "plain": p[k] if k < len(p) else None}
+    return None
+
+
+def _speed(results: List[dict], e2e: bool = False) -> dict:
+    """Pooled tokens/s of each loop; decode phase counts tokens after the prefill's one."""
+    sfx, drop = ("_e2e_ms", 0) if e2e else ("_ms", 1)
+    out = {}
+    for loop in ("spec", "plain"):
+        n = sum(max(len(r[f"{loop}_ids"]) - drop, 0) for r in results)
+        out[loop] = metrics.tokens_per_s(n, sum(r[f"{loop}{sfx}"] for r in results))
+    return out
+
+
+def _task_summary(res: dict) -> dict:
+    keep = ("id", "turn", "context_len", "spec_ms", "plain_ms")
+    return {**{k: res[k] for k in keep}, "tau": metrics.tau(res["rounds"]),
+            "n_tokens": len(res["spec_ids"])}
+
+
+def aggregate(results: List[dict], skipped: int, a: EvalArgs) -> dict:
+    """Every DLITE.md §4 metric over raw `replay` results."""
+    rounds = [r for res in results for r in res["rounds"]]
+    gamma = results[0]["gamma"] if results else 0
+    tps, tps_e2e = _speed(results), _speed(results, e2e=True)
+    greedy = a.temperature <= 0
+    mismatches = [m for m in map(_first_mismatch, results) if m] if greedy else []
+    by_ctx = {}
+    for res in results:
+        by_ctx.setdefault(metrics.bucket_of(res["context_len"], a.buckets), []).append(res)
+    order = metrics.bucket_labels(a.buckets)
+    return {
+        **metrics.summarize_rounds(rounds, gamma, a.buckets),
+        "speedup_vs_ar": metrics.speedup_vs_ar(tps["spec"], tps["plain"]),
+        "speedup_vs_ar_e2e": metrics.speedup_vs_ar(tps_e2e["spec"], tps_e2e["plain"]),
+        "speedup_vs_ar_by_bucket": {k: metrics.speedup_vs_ar(*_speed(by_ctx[k]).values())
+                                    for k in order if k in by_ctx},
+        "tokens_per_s": {**tps, "spec_e2e": tps_e2e["spec"], "plain_e2e": tps_e2e["plain"]},
+        # Sampled outputs cannot be compared token by token; the unit tests check the
+        # sampling rule's distribution instead.
+        "lossless": (not mismatches) if greedy else None,
+        "first_mismatch": mismatches[0] if mismatches else None,
+        "n_mismatched_tasks": len(mismatches),
+        "gamma": gamma, "n_tasks": len(results), "skipped_turns": skipped,
+        "n_tokens": {"spec": sum(len(r["spec_ids"]) for r in results),
+                     "plain": sum(len(r["plain_ids"]) for r in results)},
+        "bucket_labels": order, "settings": dataclasses.asdict(a),
+        "per_task": [_task_summary(res) for res in results],
+    }
+
+
+def replay(target, tokenizer, drafter, records: Iterable[dict], args=None, **overrides) -> tuple:
+    """Replay every record (trajectory or `turns` prompt) with both loops, interleaved
+    (alternating which goes first); returns (raw per-task results, skipped turns, args).
+    Raw results of several calls (e.g. parallel workers) concatenate before `aggregate`.
+    `drafter` is a drafter or a factory prompt_ids -> drafter."""
+    a = resolve_args(args, **overrides)
+    a.buckets = tuple(a.buckets)
+    eos = (tokenizer.eos_token_id,)
+    results, skipped = [], 0
+    for rec in records:
+        for task in iter_tasks(tokenizer, rec, a.max_turns, a.turn_pick):
+            if a.max_context and len(task["prompt_ids"]) > a.max_context:
+                skipped += 1  # counted, never silently dropped
+                continue
+            if a.warmup and not results:
+                _run_task(target, drafter, task, dataclasses.replace(a, max_new_tokens=4), eos, True, a.seed)
+            res = _run_task(target, drafter, task, a, eos, len(results) % 2 == 0, a.seed + len(results))
+            task["reply_ids"] = res["plain_ids"]
+            results.append(res)
+    return results, skipped, a
+
+
+def evaluate_prompts(target, tokenizer, drafter, records: Iterable[dict], args=None, **overrides) -> dict:
+    """`replay` then `aggregate`: the report dict of one drafter on these records."""
+    return aggregate(*replay(target, tokenizer, drafter, records, args, **overrides))

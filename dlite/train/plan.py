@@ -1,0 +1,183 @@
+"""What each training stage trains, engine- and cluster-free (DLITE.md §3):
+
+  teacher  the history-aware teacher (`arch=teacher`) against the target
+  align    the DLite student, initialised from the teacher's shared weights, distilling
+           the teacher's block distributions for `distill_frac` of `steps_align`, then
+           against the target. `train.skip_teacher` is the ablation: the student from
+           scratch, against the target for all `steps_align` steps (same step count)
+  dspark   the DSpark-style baseline (`arch=dspark`) against the target
+
+The teacher is run on the fly during distillation, on the same `full` shard batch as
+the student, rather than stored at collection time: its block distributions are
+gamma x vocabulary per anchor (or a lossy top-k) and would need a re-collection for
+every new teacher, whereas a no-grad forward of a model the student's size replaces
+the re-projection of the stored target reference (measured on the tiny CPU setup: a
+distillation step and a target step both ~50 ms, within noise), and it sees exactly
+the anchors re-sampled for this epoch.
+
+`pipelines/stages/train.py` runs these on Ray Train + DeepSpeed; `pipelines/benchmarks/train.py`
+runs them in one process with the plain engine. Both build everything from here."""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import List, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from dlite import target as tgt
+from dlite import tiny
+from dlite.data import shards
+from dlite.export import load_drafter
+from dlite.models import DrafterConfig, build_drafter, init_student_from_teacher
+from dlite.train.data import collate, training_row
+from dlite.train.loop import LoopConfig, to_device
+
+STAGE_ARCH = {"teacher": "teacher", "align": "dlite", "dspark": "dspark"}
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    arch: str
+    steps: int
+    distill_steps: int = 0
+    from_teacher: bool = False  # init the student from the teacher and distil it
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.from_teacher
+
+
+def plan_stage(cfg, stage: str) -> StagePlan:
+    """The stage's architecture, step count and use of the teacher, from the config."""
+    t = cfg.train
+    if stage not in STAGE_ARCH:
+        raise ValueError(f"stage must be one of {sorted(STAGE_ARCH)}, got {stage!r}")
+    if stage == "teacher":
+        return StagePlan(stage, "teacher", t.steps_teacher)
+    if stage == "dspark":
+        return StagePlan(stage, "dspark", t.steps_dspark)
+    if t.skip_teacher:
+        return StagePlan(stage, "dlite", t.steps_align)
+    return StagePlan(stage, "dlite", t.steps_align, round(t.distill_frac * t.steps_align), True)
+
+
+def loop_config(cfg, plan: StagePlan) -> LoopConfig:
+    t = cfg.train
+    return LoopConfig(steps=plan.steps, lr=t.lr, warmup_frac=t.warmup_frac, grad_accum=t.grad_accum,
+                      distill_steps=plan.distill_steps, eval_every=t.eval_every)
+
+
+def drafter_config(cfg, arch: str) -> DrafterConfig:
+    """The drafter section with the stage's architecture (plain or structured config)."""
+    return DrafterConfig(**{**OmegaConf.to_container(cfg.drafter, resolve=True), "arch": arch})
+
+
+# ---------------------------------------------------------------- models
+
+def load_vocab(target_cfg, dtype=torch.float32) -> tuple:
+    """(embed, lm_head, mask_id) read straight from the target's safetensors: a worker
+    needs these two matrices, not a whole 8B target in memory."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    d = tgt.target_dir(target_cfg)
+    conf = AutoConfig.from_pretrained(d)
+    found = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in sf.keys():
+                    found[name] = sf.get_tensor(name).to(dtype)
+    embed = found["model.embed_tokens.weight"]
+    lm_head = found.get("lm_head.weight", embed if conf.tie_word_embeddings else None)
+    if lm_head is None:
+        raise ValueError(f"target.path: no lm_head.weight in {d} and embeddings are not tied")
+    tok = tiny.load_tokenizer(str(tgt.tokenizer_dir(target_cfg)))
+    return embed, lm_head, tgt.mask_token_id(SimpleNamespace(config=conf), tok)
+
+
+def teacher_dir(path: str) -> Path:
+    """A teacher stage's output dir or its `drafter/` artifact dir."""
+    p = Path(path)
+    return p / "drafter" if (p / "drafter" / "config.json").is_file() else p
+
+
+def load_teacher(path: str, vocab: tuple, device=None, dtype=torch.float32):
+    """The frozen teacher from its exported artifact (never trained here), in the
+    student's compute dtype."""
+    teacher = load_drafter(teacher_dir(path), vocab[0], vocab[1])
+    if teacher.cfg.arch != "teacher":
+        raise ValueError(f"--teacher {path}: architecture {teacher.cfg.arch!r}, not 'teacher'")
+    teacher.requires_grad_(False)
+    return teacher.to(device or "cpu", dtype).eval()
+
+
+def build_model(cfg, plan: StagePlan, vocab: tuple, teacher=None, device=None):
+    """The stage's model, seeded by `run.seed` (every rank and engine builds the same
+    init), its shared weights copied from the teacher when the plan says so."""
+    torch.manual_seed(cfg.run.seed)
+    model = build_drafter(drafter_config(cfg, plan.arch), *vocab)
+    if plan.from_teacher:
+        if teacher is None:
+            raise ValueError("the align stage needs --teacher (or train.skip_teacher=true)")
+        init_student_from_teacher(model, teacher)
+    return model.to(device or "cpu")
+
+
+# ---------------------------------------------------------------- validation data
+
+def heldout_ids(ids: List[str], n: int) -> List[str]:
+    """n record ids chosen by hash (stable whatever the shard order); every part of a
+    split record goes the same way, so no held-out text leaks into training."""
+    uniq = sorted(set(ids), key=lambda i: hashlib.sha256(i.encode()).hexdigest())
+    return sorted(uniq[:n])
+
+
+def heldout_rows(uri: str, ids: Optional[List[str]] = None, limit: int = 64) -> List[dict]:
+    """Decoded rows of a finished collection (only those of `ids` when given), at most
+    `limit`. Read straight from Parquet with the id filter pushed down: validation rows
+    are few, and every rank needs all of them."""
+    import pyarrow.parquet as pq
+    m, store, rows = shards.read_manifest(uri), shards.Store(uri), []
+    for f in m["files"]:
+        flt = [("id", "in", list(ids))] if ids is not None else None
+        table = pq.read_table(store.path(f["path"]), filesystem=store.fs, filters=flt)
+        rows += [training_row(r, m) for r in table.slice(0, limit - len(rows)).to_pylist()]
+        if len(rows) >= limit:
+            break
+    return rows
+
+
+def val_batches(rows: List[dict], batch_size: int, device=None) -> List[dict]:
+    """Fixed batches with the stored anchors, so every evaluation scores the same blocks."""
+    if not rows:
+        raise ValueError("no held-out rows to validate on")
+    return [to_device(collate(rows[i:i + batch_size]), device) for i in range(0, len(rows), batch_size)]
+
+
+# ---------------------------------------------------------------- export
+
+def artifact_fields(cfg, plan: StagePlan, manifest: dict, step: int, metrics: dict) -> dict:
+    """Lineage written into the drafter's config.json."""
+    return {"target_name": cfg.target.name, "target_fingerprint": manifest["target_fingerprint"]["id"],
+            "data_plan_id": manifest.get("plan_id"), "stage": plan.stage, "step": step,
+            "skip_teacher": plan.stage == "align" and not plan.from_teacher,
+            "val_tau": metrics.get("val_tau"), "val_loss": metrics.get("val_loss")}
+
+
+def card_sections(plan: StagePlan, step: int, metrics: dict) -> dict:
+    rows = [f"| {k} | {v:.4f} |" for k, v in sorted(metrics.items())
+            if k.startswith("val_") and isinstance(v, float)]
+    body = (f"Stage `{plan.stage}`, best checkpoint by teacher-forced `val_tau` (step {step} of "
+            f"{plan.steps}; {plan.distill_steps} distillation steps).\n\n| metric | value |\n|---|---|\n"
+            + "\n".join(rows))
+    return {"Training": body}
+
+
+def read_json(path) -> Optional[dict]:
+    p = Path(path)
+    return json.loads(p.read_text()) if p.is_file() else None

@@ -1,0 +1,1 @@
+"""Benchmarks behind `python -m jobs.benchmark`: collection, training, quality, ablations."""

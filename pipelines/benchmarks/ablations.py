@@ -1,0 +1,105 @@
+"""Why DLite wins or loses in the quality benchmark: the model's and the
+training's switches, one at a time, each trained with the benchmark's data, window
+and step budget (teacher + align) and replayed greedily on the same held-out turns.
+
+Each ablation is its own small DAG (collect -> teacher -> align -> evaluate) over the
+benchmark's config plus its overrides, so finished stages are shared by hash: an
+ablation that only changes alignment reuses the benchmark's teacher, one that keeps
+the data reuses its collection. Its MLflow run is nested under the benchmark's run.
+
+What to keep is read from `best_val_tau` (teacher-forced acceptance on the training
+run's validation rows), never from the held-out replay the table reports.
+"""
+
+import json
+from pathlib import Path
+from typing import Dict, List
+
+from omegaconf import OmegaConf
+
+# name -> (overrides, the question it answers). `window` is the benchmark's training
+# window (data.max_seq_len), set by quality_bench.bench_config.
+ABLATIONS: Dict[str, tuple] = {  # in the order `all` runs them: the likeliest causes first
+    "window_4096": ({"window": 4096}, "training window 4096 tokens instead of 1536"),
+    "inject_add": ({"drafter.context_injection": "add"},
+                   "context feature added to every slot's embedding instead of one extra key/value"),
+    "head_none": ({"drafter.head": "none"}, "no sequential head: the parallel backbone alone"),
+    "distill_none": ({"train.distill_frac": 0.0}, "alignment to the target only, no teacher distillation"),
+    "head_attn": ({"drafter.head": "attn"}, "one causal attention layer as the sequential head instead of a GRU"),
+    "anchors_x4": ({"data.anchors_per_seq": 64}, "4x more anchors sampled per training row"),
+    "distill_all": ({"train.distill_frac": 1.0}, "alignment by teacher distillation only"),
+}
+STAGES = ["collect", "teacher", "align", "evaluate"]
+
+
+def parse(names: str) -> List[str]:
+    """`all` or a comma list of ABLATIONS keys; unknown names fail before any work."""
+    if names.strip() == "all":
+        return list(ABLATIONS)
+    out = [n.strip() for n in names.split(",") if n.strip()]
+    bad = [n for n in out if n not in ABLATIONS]
+    if bad:
+        raise ValueError(f"--ablations: unknown {bad}; choose from {list(ABLATIONS)} or 'all'")
+    return out
+
+
+def ablation_config(cfg, name: str, window: int):
+    """The benchmark's config for one ablation, validated: its overrides, DLite's stages
+    only, greedy replay and one speed trajectory (acceptance is what is compared); its
+    training window is `data.max_seq_len`."""
+    from dlite.config import validate
+    from pipelines.benchmarks.settings import bench_config
+    over = dict(ABLATIONS[name][0])
+    window = over.pop("window", window)
+    dotted = [f"{k}={v}" for k, v in over.items()]
+    base = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
+    out = bench_config(base, window)
+    out = OmegaConf.merge(out, {"run": {"stages": STAGES, "name": f"{out.run.name}-{name}"},
+                                "eval": {"temperatures": [0.0], "speed_trajectories": 1}})
+    validate(out)
+    return out
+
+
+def run_one(cfg, name: str, window: int, parent: str, log=print) -> dict:
+    """Train and replay one ablation; its row of the benchmark's `ablations` table."""
+    from pipelines.common import tracking
+    from pipelines.orchestration.dag import Context, execute, open_home, plan
+    from pipelines.orchestration.runners import RUNNERS
+    acfg = ablation_config(cfg, name, window)
+    _, run_id = open_home(acfg, {"dlite.kind": "benchmark", "dlite.benchmark": "quality-ablation",
+                                 "dlite.ablation": name, "mlflow.parentRunId": parent})
+    log(f"[ablation] {name}: {ABLATIONS[name][1]}")
+    stages = plan(acfg)
+    done = execute(Context(acfg, run_id, log), stages, RUNNERS)
+    dl = json.loads(Path(done["evaluate"]["report"]).read_text())["methods"]["dlite"]
+    row = {"overrides": ABLATIONS[name][0], "why": ABLATIONS[name][1], "training_window": acfg.data.max_seq_len,
+           "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align")},
+           "tau": dl["tau"], "tau_by_bucket": dl["tau_by_bucket"], "bucket_labels": dl["bucket_labels"], "accept_at_k": dl["accept_at_k"],
+           "draft_ms_by_bucket": dl["draft_ms_by_bucket"], "lossless": dl["lossless"],
+           "stage_dirs": {s.name: s.dir for s in stages},
+           # Reused stages were finished by the benchmark or an earlier ablation: their
+           # seconds are from that run, not this one.
+           "seconds": {s: done[s].get("seconds") for s in done},
+           "reused": [s.name for s in stages if s.status in ("done", "reuse")], "mlflow_run": run_id}
+    tracking.finish(acfg.tracking.uri, run_id)
+    return row
+
+
+def table(bench: dict, rows: Dict[str, dict]) -> dict:
+    """The rows against the benchmark's own DLite and DSpark (greedy), and which
+    setting the validation split would pick (held-out tau is reported, not used)."""
+    from pipelines.benchmarks.settings import ratio
+    m = bench["methods"]
+    ref = {"dlite": m["dlite"], "dspark": m["dspark"]}
+    out = {}
+    for name, r in rows.items():
+        by = r["tau_by_bucket"]
+        out[name] = {**r,
+                     "tau_over_dlite": ratio(r["tau"], ref["dlite"]["tau"]),
+                     "tau_over_dspark_by_bucket": {b: ratio(v, ref["dspark"]["tau_by_bucket"].get(b))
+                                                   for b, v in by.items()}}
+    val = {"dlite (benchmark)": bench["best_val_tau"]["align"],
+           **{n: r["best_val_tau"]["align"] for n, r in rows.items()}}
+    best = max((k for k, v in val.items() if v is not None), key=lambda k: val[k], default=None)
+    return {"rows": out, "val_tau_align": val, "chosen_by_validation": best}
+

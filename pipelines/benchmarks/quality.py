@@ -1,0 +1,121 @@
+"""The headline comparison at small scale (DLITE.md §6): DLite vs a DSpark-style drafter
+on agent histories far longer than the training window, same data, same step budget.
+
+One run = the pipeline DAG (collect -> teacher -> align, align_no_teacher, dspark ->
+evaluate; no publish) with these settings on top of the given config:
+  training window  `data.max_seq_len` (1536 by default), long trajectories split into
+                   windows (`data.length_policy=split`) so every token trains
+  budget           B optimiser steps for each method (`--budget`, 200 by default; it
+                   sets train.steps_*): DLite spends them as B/2 teacher + B/2 align,
+                   the no-teacher ablation and the baseline as B steps of their own;
+                   validation every B/4 steps
+  held-out         built-in held-out trajectories whose histories reach >= 8x the
+                   window (`eval.min_chars/max_chars`), turns spread up to the last one
+Settings are chosen on the training run's own validation rows (teacher-forced
+`val_tau`), never on the held-out trajectories the report measures.
+
+The JSON adds to the evaluation report: per-bucket ratios DLite / DSpark, its goals as
+measured booleans, the teacher stage's effect, the draft cost per bucket,
+and the target's own accuracy per bucket on the same held-out text (`target_by_bucket`).
+`ablations=` adds the why-table (pipelines.benchmarks.ablations).
+"""
+
+import json
+import time
+from pathlib import Path
+
+from pipelines.benchmarks.settings import bench_config, ratio  # noqa: F401 (the quality API)
+
+
+def compare(report: dict, window: int) -> dict:
+    """Ratios and goals from the evaluation report (greedy figures)."""
+    m = report["methods"]
+    dl, ds, nt = m.get("dlite"), m.get("dspark"), m.get("dlite_no_teacher")
+    labels = [b for b in dl["bucket_labels"] if b in dl["tau_by_bucket"]]
+    by_bucket = {b: ratio(dl["tau_by_bucket"].get(b), ds["tau_by_bucket"].get(b)) for b in labels}
+    longest = labels[-1] if labels else None
+    # "Short" = the buckets that lie wholly inside the training window.
+    edges = [0, *dl["settings"]["buckets"]]
+    short = [b for b, hi in zip(dl["bucket_labels"], edges[1:]) if hi <= window and b in labels]
+    return {
+        "dlite_over_dspark_tau_by_bucket": by_bucket,
+        "longest_bucket": longest,
+        "goal_long_tau_ratio_ge_1_3": None if longest is None else (by_bucket[longest] or 0) >= 1.3,
+        "goal_short_tau_ratio_ge_0_97": all((by_bucket[b] or 0) >= 0.97 for b in short) if short else None,
+        "goal_speedup_ge_2": (dl["speedup_vs_ar"] or 0) >= 2.0,
+        "teacher_effect_tau": None if nt is None else ratio(dl["tau"], nt["tau"]),
+        "draft_ms_by_bucket": {n: r["draft_ms_by_bucket"] for n, r in m.items()},
+        "draft_cache_bytes_by_bucket": {n: r["draft_cache_bytes_by_bucket"] for n, r in m.items()},
+    }
+
+
+def target_by_bucket(cfg) -> dict:
+    """The target's own accuracy and confidence per context bucket, on the held-out
+    trajectories the evaluation replays (dlite.bench.target_probe: where the target
+    itself fails, acceptance measures the target, not the drafters)."""
+    from dlite import target as tgt
+    from dlite.bench.target_probe import probe
+    from dlite.decoding.replay import render_ids
+    from pipelines.stages.evaluate import heldout_records
+    model, tok = tgt.load(cfg.target)
+    seqs = [render_ids(tok, r["messages"], r.get("tools")) for r in heldout_records(cfg) if "messages" in r]
+    return probe(model, seqs, list(cfg.eval.buckets))
+
+
+def run(cfg, out_json: str, window: int = 1536, ablations=(), budget: int = 200) -> dict:
+    """Run (or resume) the benchmark's DAG and write the JSON + plots beside `out_json`;
+    then each of `ablations` (pipelines.benchmarks.ablations), the JSON rewritten after each one."""
+    from pipelines.orchestration import results
+    from pipelines.common import tracking
+    from pipelines.orchestration.dag import Context, execute, open_home, plan
+    from pipelines.orchestration.runners import RUNNERS
+    t0, bcfg = time.time(), bench_config(cfg, window, budget)
+    stages = plan(bcfg)
+    home, parent = open_home(bcfg, {"dlite.kind": "benchmark", "dlite.benchmark": "quality"})
+    done = execute(Context(bcfg, parent, lambda line: print(line, flush=True)), stages, RUNNERS)
+    report = json.loads(Path(done["evaluate"]["report"]).read_text())
+    out = Path(out_json).resolve()
+    bench = {**{k: v for k, v in report.items() if k not in ("config", "env")},
+             "comparison": compare(report, window), "training_window": window, "budget": budget,
+             "steps": {s: done[s].get("steps") for s in ("teacher", "align", "align_no_teacher", "dspark")},
+             "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align", "align_no_teacher", "dspark")},
+             "target_by_bucket": target_by_bucket(bcfg),
+             "seconds": round(time.time() - t0, 1), "mlflow_run": parent,
+             "config": report["config"], "env": report["env"]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(bench, indent=2, default=str) + "\n")
+    from pipelines.common import plots
+    pngs = [plots.tau_by_bucket_plot(report["methods"], out.with_name(f"{out.stem}-tau_by_bucket.png")),
+            plots.accept_at_k_plot(report["methods"], out.with_name(f"{out.stem}-accept_at_k.png"))]
+    for f in [out, *pngs]:
+        tracking.log_artifact(bcfg.tracking.uri, parent, f, "benchmark")
+    results.finish(bcfg, home, parent, stages, done, time.time() - t0)
+    if ablations:
+        bench = _ablate(bcfg, bench, out, window, parent, ablations, t0)
+    return bench
+
+
+def _ablate(bcfg, bench: dict, out: Path, window: int, parent: str, names, t0: float) -> dict:
+    """Run the ablations one by one; the JSON, plot and parent metrics grow with each.
+    `seconds_with_ablations` is wall time since `t0`, the benchmark's start (summing
+    stage seconds would count the stages an ablation reuses twice)."""
+    from pipelines.benchmarks import ablations
+    from pipelines.common import plots, tracking
+    from pipelines.stages.evaluate import metric_label
+    rows = {}
+    for name in names:
+        rows[name] = ablations.run_one(bcfg, name, window, parent, lambda line: print(line, flush=True))
+        bench["ablations"] = ablations.table(bench, rows)
+        bench["seconds_with_ablations"] = round(time.time() - t0, 1)
+        out.write_text(json.dumps(bench, indent=2, default=str) + "\n")
+        r = bench["ablations"]["rows"][name]
+        metrics = {"tau": r["tau"], "val_tau": r["best_val_tau"]["align"],
+                   **{f"tau_by_bucket.{metric_label(b)}": v for b, v in r["tau_by_bucket"].items()}}
+        tracking.log_metrics(bcfg.tracking.uri, parent, 0,  # a missing figure is not logged as 0
+                             {f"ablation.{name}.{k}": v for k, v in metrics.items() if v is not None})
+    methods = {"dlite": bench["methods"]["dlite"], "dspark": bench["methods"]["dspark"],
+               **{f"dlite:{n}": r for n, r in rows.items()}}
+    png = plots.tau_by_bucket_plot(methods, out.with_name(f"{out.stem}-ablations_tau_by_bucket.png"))
+    for f in (out, png):
+        tracking.log_artifact(bcfg.tracking.uri, parent, f, "benchmark")
+    return bench

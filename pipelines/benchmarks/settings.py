@@ -1,0 +1,31 @@
+"""The quality benchmark's settings over a pipeline config, and its ratio helper: shared
+by the benchmark and its ablations (which it runs), so neither imports the other's module."""
+from omegaconf import OmegaConf
+
+from dlite.config_schema import STAGES as PIPELINE_STAGES
+
+STAGES = [s for s in PIPELINE_STAGES if s != "publish"]
+
+
+def bench_config(cfg, window: int = 1536, budget=None):
+    """The benchmark's settings over `cfg` (which keeps sizes and the cluster; its
+    train.steps_* too when `budget` is None)."""
+    t = cfg.train
+    steps = ({"steps_teacher": budget // 2, "steps_align": budget - budget // 2, "eval_every": max(1, budget // 4)}
+             if budget else {})
+    over = {"run": {"stages": STAGES, "name": f"{cfg.run.name}-quality"},
+            "data": {"max_seq_len": window, "length_policy": "split"},
+            "train": {**steps, "steps_dspark": budget or t.steps_teacher + t.steps_align},
+            # The built-in corpus renders ~3.3 characters per token: 40-52K characters
+            # put the last turns' histories at 12-16K tokens, 8-10x a 1536 window.
+            "eval": {"turn_pick": "spread", "max_turns": 4, "max_context": None,
+                     "min_chars": cfg.eval.min_chars or 40000, "max_chars": cfg.eval.max_chars or 52000}}
+    from dlite.config import validate
+    out = OmegaConf.merge(cfg, over)
+    validate(out)
+    return out
+
+
+def ratio(a, b):
+    """a / b rounded, None when either is missing."""
+    return None if a is None or not b else round(a / b, 4)

@@ -1,0 +1,1 @@
+"""What every kind of pipeline code shares: MLflow tracking, plots, Ray start-up, remote targets."""

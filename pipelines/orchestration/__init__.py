@@ -1,0 +1,1 @@
+"""Orchestration: the stage DAG, its runners and the results table."""

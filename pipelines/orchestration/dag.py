@@ -1,0 +1,184 @@
+"""The pipeline as a DAG of idempotent stages (ARCHITECTURE.md §1):
+
+    collect -> teacher -> align ---------------\
+            -> align_no_teacher (ablation) -----> evaluate -> publish
+            -> dspark (baseline) --------------/
+
+Each stage's output directory is `<run.output_dir>/stages/<stage>-<hash>`, the hash
+taken over the config keys the stage reads and its inputs' hashes (the target's
+fingerprint enters through `collect`), so pipelines that share settings share finished
+stages and a changed setting re-runs exactly the stages downstream of it. A finished
+stage writes `stage.json` last; a rerun skips it. An unfinished one is run again and
+resumes on its own (collection keeps finished shards, training resumes from its last
+checkpoint, evaluation and publishing are cheap and idempotent).
+
+No Ray here: `plan` is pure (for `--dry-run`), and each stage's runner calls the
+stage module, which starts or joins Ray itself.
+"""
+
+import hashlib
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from omegaconf import OmegaConf
+
+from pipelines.common import tracking
+MARKER = "stage.json"
+_TRAIN_COMMON = ("run.seed", "drafter", "train.lr", "train.warmup_frac", "train.weight_decay",
+                 "train.batch_size", "train.grad_accum", "train.grad_clip", "train.zero_stage",
+                 "train.precision", "train.eval_every", "cluster.num_workers")
+# Which drafter each training stage yields, under the name reports and plots use.
+METHODS = {"align": "dlite", "align_no_teacher": "dlite_no_teacher", "dspark": "dspark"}
+
+
+class PipelineError(RuntimeError):
+    """The stages asked for cannot run (e.g. --only a stage whose inputs are missing)."""
+
+
+@dataclass(frozen=True)
+class StageDef:
+    name: str
+    deps: tuple   # stages whose outputs this one reads (when they are in run.stages)
+    keys: tuple   # config keys that decide this stage's output
+
+
+DEFS = [
+    StageDef("collect", (), ("run.seed", "target", "data", "drafter.target_layer_ids", "drafter.gamma")),
+    StageDef("teacher", ("collect",), _TRAIN_COMMON + ("train.steps_teacher",)),
+    StageDef("align", ("collect", "teacher"), _TRAIN_COMMON + ("train.steps_align", "train.distill_frac")),
+    StageDef("align_no_teacher", ("collect",), _TRAIN_COMMON + ("train.steps_teacher", "train.steps_align")),
+    StageDef("dspark", ("collect",), _TRAIN_COMMON + ("train.steps_dspark",)),
+    StageDef("evaluate", ("align", "align_no_teacher", "dspark"),
+             ("run.seed", "target", "data.heldout_path", "data.min_chars", "data.max_chars", "eval")),
+    StageDef("publish", ("evaluate", "align"), ("gate", "tracking.registered_model")),
+]
+BY_NAME = {d.name: d for d in DEFS}
+
+
+@dataclass
+class PlannedStage:
+    name: str
+    deps: List[str]
+    hash: str
+    dir: str
+    status: str  # "done" | "resume" | "run" | "reuse" (done, not selected) | "off"
+    selected: bool = field(default=True)
+
+
+def target_identity(cfg) -> str:
+    """The target's content fingerprint, or its configured path when the weights are not
+    reachable from here (a hub id at `--dry-run`): the plan says which."""
+    from dlite import target
+    try:
+        return target.fingerprint(cfg.target)["id"]
+    except (OSError, ValueError):
+        return f"unresolved:{cfg.target.path}@{cfg.target.revision}"
+
+
+def _value(cfg, key: str):
+    v = OmegaConf.select(cfg, key)
+    return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+
+
+def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
+    values = {k: _value(cfg, k) for k in d.keys}
+    payload = {"stage": d.name, "keys": values, "deps": dep_hashes,
+               **({"target": identity} if d.name == "collect" else {})}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def plan(cfg, only: Optional[List[str]] = None, start: Optional[str] = None) -> List[PlannedStage]:
+    """Every stage of `run.stages` with its output dir and what a run would do with it."""
+    enabled = [d for d in DEFS if d.name in cfg.run.stages]
+    names = [d.name for d in enabled]
+    for s in (only or []) + ([start] if start else []):
+        if s not in names:
+            raise PipelineError(f"--only/--from: {s!r} is not one of the enabled stages {names}")
+    root, identity = Path(cfg.run.output_dir).resolve() / "stages", target_identity(cfg)
+    hashes, out = {}, []
+    for i, d in enumerate(enabled):
+        deps = [x for x in d.deps if x in names]
+        hashes[d.name] = _stage_hash(cfg, d, {x: hashes[x] for x in deps}, identity)
+        path = root / f"{d.name}-{hashes[d.name]}"
+        selected = (d.name in only) if only else (not start or i >= names.index(start))
+        done = (path / MARKER).is_file()
+        status = ("done" if done else "resume" if path.exists() else "run") if selected else \
+                 ("reuse" if done else "off")
+        out.append(PlannedStage(d.name, deps, hashes[d.name], str(path), status, selected))
+    _check_inputs(out)
+    return out
+
+
+def _check_inputs(stages: List[PlannedStage]) -> None:
+    by = {s.name: s for s in stages}
+    for s in stages:
+        if s.selected:
+            missing = [d for d in s.deps if by[d].status == "off"]
+            if missing:
+                raise PipelineError(
+                    f"stage {s.name} needs {', '.join(missing)}, not finished and not selected "
+                    f"({by[missing[0]].dir}): drop --only/--from or include {missing[0]}")
+
+
+def home_dir(cfg) -> Path:
+    """A pipeline's own directory (its config.yaml, summary.json and MLflow run id):
+    `<run.output_dir>/<run.name>-<config hash>`, so a rerun finds its parent run."""
+    from dlite.config import config_hash
+    return Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{config_hash(cfg)}"
+
+
+def open_home(cfg, tags: dict) -> tuple:
+    """(home dir, MLflow parent run id): the dir made, the resolved config written there,
+    the parent run opened (reopened when the dir already has one)."""
+    from dlite.config import to_yaml
+    home = home_dir(cfg)
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.yaml").write_text(to_yaml(cfg))
+    return home, tracking.open_parent(cfg, home, home.name, tags)
+
+
+@contextmanager
+def child_run(ctx, stage: str, out: Path):
+    """A stage's MLflow child run, closed FINISHED or FAILED."""
+    run_id = tracking.open_child(ctx.cfg, stage, out, ctx.parent_run_id)
+    try:
+        yield run_id
+    except BaseException:
+        tracking.finish(ctx.cfg.tracking.uri, run_id, "FAILED")
+        raise
+    tracking.finish(ctx.cfg.tracking.uri, run_id)
+
+
+@dataclass
+class Context:
+    cfg: object
+    parent_run_id: str
+    log: Callable[[str], None] = print
+
+
+def execute(ctx: Context, stages: List[PlannedStage], runners: Dict[str, Callable]) -> Dict[str, dict]:
+    """Run the plan in order; returns each finished stage's summary (`stage.json`)."""
+    results = {}
+    for s in stages:
+        out = Path(s.dir)
+        if s.status in ("done", "reuse"):
+            results[s.name] = json.loads((out / MARKER).read_text())
+            ctx.log(f"[pipeline] {s.name:<16} finished earlier ({out.name})")
+            continue
+        if s.status == "off":
+            continue
+        ctx.log(f"[pipeline] {s.name:<16} {'resuming' if s.status == 'resume' else 'running'} -> {out}")
+        t0 = time.time()
+        out.mkdir(parents=True, exist_ok=True)
+        summary = runners[s.name](ctx, out, {d: results[d] for d in s.deps if d in results})
+        summary = {**summary, "stage": s.name, "hash": s.hash, "seconds": round(time.time() - t0, 1)}
+        tmp = out / f".{MARKER}.tmp"
+        tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        tmp.rename(out / MARKER)  # the completion marker, last
+        results[s.name] = summary
+        ctx.log(f"[pipeline] {s.name:<16} done in {summary['seconds']:.0f}s")
+    return results

@@ -1,0 +1,80 @@
+"""What each DAG stage runs: thin calls into the stage modules, each returning the small
+summary `pipelines.orchestration.dag.execute` writes as the stage's `stage.json`.
+
+A runner gets (context, its output dir, its finished inputs' summaries). Training,
+evaluation and publishing open their own MLflow child runs under the pipeline's parent;
+collection's run is opened here (the collect module knows nothing of MLflow).
+"""
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from pipelines.common import tracking
+from pipelines.orchestration.dag import METHODS, child_run
+
+
+def collect(ctx, out: Path, deps: dict) -> dict:
+    from pipelines.stages.collect import collect as run_collect
+    cfg = ctx.cfg
+    with child_run(ctx, "collect", out) as run_id:
+        m = run_collect(cfg, cfg.data.train_path or "builtin:train", str(out / "shards"))
+        counts = {k: v for k, v in m["counts"].items() if isinstance(v, (int, float))}
+        tracking.log_metrics(cfg.tracking.uri, run_id, 0, counts)
+        tracking.set_tags(cfg.tracking.uri, run_id, {"dlite.target_fingerprint": m["target_fingerprint"]["id"],
+                                                     "dlite.data_plan_id": m["plan_id"]})
+    return {"shards": str(out / "shards"), "run_id": run_id, "counts": m["counts"],
+            "target_fingerprint": m["target_fingerprint"]["id"], "plan_id": m["plan_id"]}
+
+
+def _no_teacher(cfg) -> dict:
+    """The ablation: DLite trained on the target alone, with the optimiser steps the
+    teacher and align stages spend together (same budget, no teacher)."""
+    t = cfg.train
+    return {"train": {"skip_teacher": True, "steps_align": t.steps_teacher + t.steps_align}}
+
+
+def _train(stage: str, label: str, overrides=None):
+    def run(ctx, out: Path, deps: dict) -> dict:
+        from pipelines.stages.train import train_stage
+        cfg = OmegaConf.merge(ctx.cfg, overrides(ctx.cfg)) if overrides else ctx.cfg
+        teacher = deps["teacher"]["drafter"] if "teacher" in deps else None
+        s = train_stage(cfg, stage, deps["collect"]["shards"], str(out), teacher=teacher,
+                        parent_run_id=ctx.parent_run_id, label=label)
+        return {"drafter": s["drafter"], "run_id": s["run_id"], "steps": s["steps"],
+                "best_val_tau": s["best"].get("val_tau"), "final_loss": s["final"].get("loss")}
+    return run
+
+
+def evaluate(ctx, out: Path, deps: dict) -> dict:
+    from pipelines.stages.evaluate import evaluate_stage
+    drafters = {METHODS[s]: d["drafter"] for s, d in deps.items() if s in METHODS}
+    report = evaluate_stage(ctx.cfg, drafters, out, ctx.parent_run_id)
+    return {"report": str(out / "report.json"), "lossless": report["lossless"],
+            "methods": {n: _headline(m) for n, m in report["methods"].items()}}
+
+
+def _headline(m: dict) -> dict:
+    t1 = next((r for t, r in m["by_temperature"].items() if float(t) > 0), None)
+    return {"tau": m["tau"], "speedup_vs_ar": m["speedup_vs_ar"], "lossless": m["lossless"],
+            "tau_t1": t1 and t1["tau"], "speedup_vs_ar_t1": t1 and t1["speedup_vs_ar"],
+            "tau_by_bucket": m["tau_by_bucket"]}
+
+
+def publish(ctx, out: Path, deps: dict) -> dict:
+    import json
+    from pipelines.stages.publish import publish as run_publish
+    report = json.loads(Path(deps["evaluate"]["report"]).read_text())
+    return run_publish(ctx.cfg, deps["align"]["drafter"], report, parent_run_id=ctx.parent_run_id,
+                       method="dlite", output=str(out))
+
+
+RUNNERS = {
+    "collect": collect,
+    "teacher": _train("teacher", "teacher"),
+    "align": _train("align", "align"),
+    "align_no_teacher": _train("align", "align_no_teacher", _no_teacher),
+    "dspark": _train("dspark", "dspark"),
+    "evaluate": evaluate,
+    "publish": publish,
+}

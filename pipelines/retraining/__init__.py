@@ -1,0 +1,1 @@
+"""Scheduled retraining: checkpoint sources and the watcher that submits one job per new target."""

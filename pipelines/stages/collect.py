@@ -1,0 +1,295 @@
+"""Stage `collect`: agent trajectories -> feature shards, on Ray Data.
+
+  plan     (driver)  the input's records cut into shard specs, record i -> shard i // R
+  ids      (driver)  every record's id, so duplicates are decided globally (first wins)
+  prepare  (map)     read + adapt + validate one shard's records; bad ones -> quarantine
+                     (Ray Data fuses it into the actors' stage: no payload copies)
+  features (actors)  optional regeneration, rendering + loss mask + length policy,
+                     anchors, the target forward in length buckets, each bucket appended
+                     to the shard's temp file, renamed, sidecar last (actor pool, GPUs
+                     per actor from cluster.gpus_per_worker)
+  finish   (driver)  quarantine.jsonl and manifest.json from the sidecars
+
+Bad records never fail the job; a target that does not load, or an output directory
+holding another plan, does. Resume: a rerun skips shards whose sidecar and file are in
+place, so after a crash it writes exactly the missing shards (no duplicate, no gap).
+`DLITE_COLLECT_CRASH_AFTER=N` makes the driver SIGKILL itself after N finished shards
+(the resume test's crash)."""
+
+import hashlib
+import json
+import os
+import signal
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import ray
+from omegaconf import OmegaConf
+
+from dlite.data import formats, shards
+from dlite.data.formats import Quarantine
+from dlite.data.shards import Store
+from pipelines.common.ray_cluster import init_ray
+
+
+class CollectError(RuntimeError):
+    """A systemic fault: the stage cannot produce shards (as opposed to a bad record)."""
+
+
+@dataclass
+class CollectSettings:
+    """The collection knobs, from the config's `data` / `cluster` sections (tests build
+    one directly to vary them without a config file)."""
+    regenerate: bool = False
+    regen_max_new_tokens: int = 256
+    records_per_shard: int = 64
+    batch_tokens: int = 16384  # token budget of one padded forward batch
+    num_actors: int = 1
+    gpus_per_actor: float = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "CollectSettings":
+        d = cfg.data
+        return cls(regenerate=d.regenerate, regen_max_new_tokens=d.regen_max_new_tokens,
+                   records_per_shard=d.records_per_shard,
+                   batch_tokens=max(d.batch_tokens, d.max_seq_len),
+                   num_actors=cfg.cluster.num_workers, gpus_per_actor=cfg.cluster.gpus_per_worker)
+
+
+def make_plan(cfg, st: CollectSettings, fingerprint: dict, identity: list) -> dict:
+    """Everything that decides the shards' content (not how fast they are made)."""
+    d = cfg.data
+    return {"schema_version": shards.SCHEMA_VERSION, "target": fingerprint["id"],
+            "layer_ids": list(cfg.drafter.target_layer_ids), "storage_mode": d.storage_mode,
+            "reference": d.reference, "topk": d.topk if d.reference == "topk" else None,
+            "gamma": cfg.drafter.gamma if d.storage_mode == "anchors" else None,
+            "anchors_per_seq": d.anchors_per_seq, "max_seq_len": d.max_seq_len,
+            "length_policy": d.length_policy, "seed": cfg.run.seed,
+            "regenerate": st.regenerate,
+            "regen_max_new_tokens": st.regen_max_new_tokens if st.regenerate else None,
+            "records_per_shard": st.records_per_shard, "input": identity}
+
+
+# ---------------------------------------------------------------- Ray steps
+
+def _entry(index, where, q: Quarantine, rid=None) -> dict:
+    return {"index": index, "id": rid, "where": where, "reason": q.reason, "detail": q.detail}
+
+
+def _prepare(batch, duplicates, require_assistant):
+    """One payload per shard: its validated canonical records and its quarantine entries."""
+    dups, out = set(duplicates), []
+    for s in batch["spec"]:
+        spec, recs, bad, read = json.loads(s), [], [], 0
+        for index, where, raw in formats.read_spec(spec):
+            read, rid = read + 1, None
+            try:
+                if isinstance(raw, Quarantine):
+                    raise raw
+                rec = formats.to_canonical(raw, where)
+                rid = rec["id"]
+                if index in dups:
+                    raise Quarantine("duplicate_id", f"id {rid!r} appears earlier in the input")
+                recs.append({"index": index, "where": where,
+                             **formats.normalise(rec, require_assistant)})
+            except Quarantine as q:
+                bad.append(_entry(index, where, q, rid))
+        out.append(json.dumps({"shard": spec["shard"], "read": read, "records": recs,
+                               "quarantine": bad}, ensure_ascii=False))
+    return {"payload": np.array(out, dtype=object)}
+
+
+class _FeatureWorker:
+    """One actor: the target loaded once; each call turns a prepared shard into a file."""
+
+    def __init__(self, cfg: dict, settings: dict, plan_id: str, output: str):
+        # torch/transformers are imported here, where the model lives, so the driver and
+        # the prepare step stay light.
+        import torch
+        from dlite import target
+        from dlite.data.features import TargetFeatures
+        from dlite.data.render import HFRegenerator
+        self.cfg, self.st = OmegaConf.create(cfg), CollectSettings(**settings)
+        gpu = self.st.gpus_per_actor > 0 and torch.cuda.is_available()
+        self.model, self.tok = target.load(self.cfg.target, torch.bfloat16 if gpu else None)
+        self.model.to("cuda" if gpu else "cpu")
+        self.tf = TargetFeatures(self.model, self.cfg.drafter.target_layer_ids)
+        self.regen = HFRegenerator(self.model, self.tok, self.st.regen_max_new_tokens) \
+            if self.st.regenerate else None
+        self.plan_id, self.store = plan_id, Store(output)
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        d = self.cfg.data
+        self.spec = {"storage_mode": d.storage_mode, "reference": d.reference,
+                     "topk": d.topk, "gamma": self.cfg.drafter.gamma}
+
+    def __call__(self, batch):
+        return {"summary": np.array([json.dumps(self.process(json.loads(p)))
+                                     for p in batch["payload"]], dtype=object)}
+
+    def process(self, payload: dict) -> dict:
+        from dlite.data.features import write_features
+        from dlite.data.render import sequences
+        t0, bad, seqs, d = time.time(), list(payload["quarantine"]), [], self.cfg.data
+        for rec in payload["records"]:
+            try:
+                if self.regen is not None:
+                    rec = {**rec, "messages": self.regen.regenerate(rec["messages"], rec["tools"])}
+                seqs += sequences(self.tok, rec, d.max_seq_len, d.length_policy,
+                                  d.anchors_per_seq, self.cfg.run.seed)
+            except Quarantine as q:
+                bad.append(_entry(rec["index"], rec["where"], q, rec["id"]))
+        w = shards.ShardWriter(self.store, payload["shard"], self.spec["reference"])
+        try:
+            st, written, lost = write_features(self.tf, seqs, self.spec, w, self.st.batch_tokens,
+                                               self.pad_id)
+        except BaseException:
+            w.abort()
+            raise
+        bad += [_entry(s["index"], s["where"], Quarantine("nonfinite_features", "target states "
+                                                          "overflow float16"), s["id"]) for s in lost]
+        info = {"plan": self.plan_id, "read": payload["read"], "written": len(written),
+                "quarantined": len(bad), "by_reason": dict(Counter(e["reason"] for e in bad)),
+                **{k: st[k] for k in ("sequences", "tokens", "supervised_tokens", "anchors")},
+                "ids": sorted({rid for _, rid in written}), "quarantine": bad,
+                "forward_s": round(st["forward_s"], 4), "seconds": round(time.time() - t0, 4)}
+        side = w.finish(info)
+        return {k: side[k] for k in ("shard", "read", "written", "quarantined", "rows")}
+
+
+# ---------------------------------------------------------------- driver
+
+def _duplicates(specs: list) -> list:
+    """Indices whose id already appeared at a lower index (first occurrence wins). A
+    driver-side pass: ids must be decided over the whole input, and parsing is cheap
+    next to the target forward."""
+    seen, dups = set(), []
+    for spec in specs:
+        for index, where, raw in formats.read_spec(spec):
+            if isinstance(raw, dict):
+                rid = formats.record_id(raw, where)
+                if rid in seen:
+                    dups.append(index)
+                seen.add(rid)
+    return dups
+
+
+def _run_features(cfg, st: CollectSettings, todo: list, dups: list, plan_id: str, output: str):
+    items = [{"spec": json.dumps(s)} for s in todo]
+    ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        _prepare, batch_size=1, fn_kwargs={"duplicates": dups,
+                                           "require_assistant": not st.regenerate})
+    ds = ds.map_batches(
+        _FeatureWorker, batch_size=1, num_cpus=1, num_gpus=st.gpus_per_actor or None,
+        compute=ray.data.ActorPoolStrategy(size=st.num_actors, max_tasks_in_flight_per_actor=1),
+        fn_constructor_kwargs={"cfg": OmegaConf.to_container(cfg, resolve=True),
+                               "settings": asdict(st), "plan_id": plan_id, "output": output})
+    crash_after = int(os.environ.get("DLITE_COLLECT_CRASH_AFTER", "0"))
+    for n, row in enumerate(ds.iter_rows(), start=1):
+        print(f"[collect] shard {json.loads(row['summary'])} ({n}/{len(todo)})", flush=True)
+        if crash_after and n >= crash_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _check_target(cfg) -> dict:
+    """Fingerprint, config, tokenizer and weight headers on the driver, so a broken
+    target fails at once instead of inside every actor."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    from dlite import target, tiny
+    try:
+        fp = target.fingerprint(cfg.target)
+        tok = tiny.load_tokenizer(str(target.tokenizer_dir(cfg.target)))
+        conf = AutoConfig.from_pretrained(target.target_dir(cfg.target))
+        weights = sorted(target.target_dir(cfg.target).glob("*.safetensors"))
+        if not weights:
+            raise FileNotFoundError("no *.safetensors weights")
+        for w in weights:  # reads the header only
+            with safe_open(str(w), framework="pt") as f:
+                f.keys()
+    except Exception as e:  # any failure here means no shard can be made
+        raise CollectError(f"target.path: the target {cfg.target.path!r} does not load: {e}") from e
+    if not tok.chat_template:
+        raise CollectError(f"target.path: the tokenizer of {cfg.target.path!r} has no chat template")
+    return {"fingerprint": fp, "hidden_size": conf.hidden_size,
+            "num_layers": conf.num_hidden_layers}
+
+
+def _resolve_input(cfg, input_path: str, output: str) -> str:
+    """`builtin:train|heldout` -> the built-in corpus written as JSONL beside the output."""
+    if not input_path.startswith("builtin:"):
+        return input_path
+    from dlite.corpus import trajectories as corpus
+    split, d = input_path.split(":", 1)[1], cfg.data
+    n = d.n_train if split == "train" else d.n_heldout
+    root = Path(output) if "://" not in output else Path(os.environ.get("TMPDIR", "/tmp"))
+    path = root / f"input-{split}-n{n}-s{cfg.run.seed}.jsonl"
+    if not path.exists():
+        corpus.write_jsonl(corpus.generate(split, n, cfg.run.seed, d.min_chars, d.max_chars), path)
+    return str(path)
+
+
+def _manifest(cfg, plan: dict, plan_id: str, tinfo: dict, sides: list, seconds: float) -> dict:
+    keys = ("read", "written", "quarantined", "sequences", "tokens", "supervised_tokens",
+            "anchors", "forward_s")
+    counts = {k: sum(s[k] for s in sides) for k in keys}
+    counts["by_reason"] = dict(sum((Counter(s["by_reason"]) for s in sides), Counter()))
+    d, k = cfg.data, len(cfg.drafter.target_layer_ids)
+    return {**{x: plan[x] for x in ("schema_version", "storage_mode", "reference", "topk",
+                                    "gamma", "anchors_per_seq", "max_seq_len", "length_policy",
+                                    "regenerate", "records_per_shard", "input", "seed")},
+            "plan_id": plan_id, "target_fingerprint": tinfo["fingerprint"],
+            "layer_ids": plan["layer_ids"], "num_layers": tinfo["num_layers"],
+            "hidden_size": tinfo["hidden_size"], "feature_dim": k * tinfo["hidden_size"],
+            "dtypes": {"features": "float16", "ref_hidden": "float16", "topk_ids": "int32",
+                       "topk_logprobs": "float16", "input_ids": "int32", "loss_mask": "int8"},
+            "columns": shards.shard_schema(d.reference).names, "counts": counts,
+            "files": [{"path": s["file"], "sha256": s["sha256"], "bytes": s["bytes"],
+                       "rows": s["rows"]} for s in sides],
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "seconds": round(seconds, 1)}
+
+
+def collect(cfg, input_path: str, output: str, settings: CollectSettings = None) -> dict:
+    """Run (or resume, or find finished) the collection of `input_path` into `output`;
+    returns the manifest. Starts Ray (`init_ray`) only if there is work left."""
+    t0, st = time.time(), settings or CollectSettings.from_config(cfg)
+    tinfo = _check_target(cfg)
+    specs, identity = formats.plan_input(_resolve_input(cfg, input_path, output),
+                                         st.records_per_shard)
+    plan = make_plan(cfg, st, tinfo["fingerprint"], identity)
+    plan_id = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+    store = Store(output)
+    shards.claim(store, plan)
+    if store.exists(shards.MANIFEST):
+        return shards.read_manifest(output, tinfo["fingerprint"])
+    store.remove_tmp("shards")
+    todo = [s for s in specs if shards.finished_shard(store, s["shard"], plan_id) is None]
+    print(f"[collect] {len(specs)} shards, {len(specs) - len(todo)} already done", flush=True)
+    if todo:
+        init_ray(cfg)
+        try:
+            _run_features(cfg, st, todo, _duplicates(specs), plan_id, output)
+        except Exception as e:  # Ray wraps worker failures in pages of traceback
+            cause = [x for x in str(e).splitlines() if x.strip()][-1:] or [repr(e)]
+            raise CollectError(f"collect: the feature stage failed on a worker: {cause[0]}") from e
+    sides = [shards.finished_shard(store, s["shard"], plan_id) for s in specs]
+    if any(s is None for s in sides):
+        raise CollectError(f"collect: shards {[i for i, s in enumerate(sides) if s is None]} "
+                           "are missing after the run")
+    shards.write_quarantine(store, [e for s in sides for e in s["quarantine"]])
+    manifest = _manifest(cfg, plan, plan_id, tinfo, sides, time.time() - t0)
+    shards.write_manifest(store, manifest)
+    return manifest
+
+
+def read_shards(uri: str, expect_fingerprint=None) -> "ray.data.Dataset":
+    """The shard rows of a finished collection as a Ray Dataset (array columns are raw
+    bytes: decode rows with `dlite.data.shards.decode_row(row, read_manifest(uri))`)."""
+    m = shards.read_manifest(uri, expect_fingerprint)
+    shards.check_schema(uri, m)
+    store = Store(uri)
+    return ray.data.read_parquet([store.path(f["path"]) for f in m["files"]],
+                                 filesystem=store.fs)

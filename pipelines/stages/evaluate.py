@@ -1,0 +1,171 @@
+"""The evaluation stage on Ray: every drafter a run produced, against the real target,
+on the same held-out prompts.
+
+  acceptance  the held-out trajectories are split over `eval.num_workers` Ray tasks;
+              each loads the target once and replays its records with every drafter
+              at every temperature (speculative and plain, so greedy output is checked
+              token for token); raw rounds come back and the driver aggregates them
+              -> tau, accept_at_k, per-bucket figures, lossless
+  speed       afterwards, alone on the machine, ONE task replays the first
+              `eval.speed_trajectories` records with every drafter, plain and
+              speculative interleaved per prompt so machine noise cancels
+              -> speedup_vs_ar, tokens/s, time split
+
+Report (ARCHITECTURE.md §3): `{"methods": {name: report}, "primary": name, <the
+primary method's metrics at top level>, "plain", "config", "env"}`; each method's
+report is `dlite.decoding.replay.aggregate`'s, greedy at top level and every temperature
+under `by_temperature`.
+"""
+
+import json
+from pathlib import Path
+from typing import Dict
+
+import ray
+from omegaconf import OmegaConf
+
+from pipelines.common.ray_cluster import init_ray
+
+# The order methods are listed, plotted and picked as primary in.
+METHOD_ORDER = ("dlite", "dlite_no_teacher", "teacher", "dspark")
+# Taken from the dedicated speed replay, not from the parallel acceptance replay.
+SPEED_KEYS = ("speedup_vs_ar", "speedup_vs_ar_e2e", "speedup_vs_ar_by_bucket", "tokens_per_s", "time_split")
+REPORT = "report.json"
+
+
+def heldout_records(cfg) -> list:
+    """The evaluation trajectories: `data.heldout_path` JSONL, or the built-in held-out split."""
+    n = cfg.eval.n_trajectories
+    if cfg.data.heldout_path:
+        lines = Path(cfg.data.heldout_path).read_text().splitlines()
+        return [json.loads(x) for x in lines if x.strip()][:n]
+    from dlite.corpus import trajectories as corpus
+    lo, hi = cfg.eval.min_chars or cfg.data.min_chars, cfg.eval.max_chars or cfg.data.max_chars
+    return list(corpus.generate("heldout", n, cfg.run.seed, lo, hi))
+
+
+def method_name(drafter_dir) -> str:
+    """`dlite`, `dlite_no_teacher`, `teacher` or `dspark`, from the artifact's config.json."""
+    conf = json.loads((Path(drafter_dir) / "config.json").read_text())
+    arch = conf.get("architecture", conf.get("arch", "dlite"))
+    return "dlite_no_teacher" if arch == "dlite" and conf.get("skip_teacher") else arch
+
+
+def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, temperatures: list) -> dict:
+    """One worker: load the target once, replay `records` with every drafter at every
+    temperature; {method: {temperature: (raw results, skipped turns)}}."""
+    import torch
+    from dlite import target as tgt
+    from dlite.export import load_drafter
+    from dlite.decoding.replay import replay
+    torch.set_num_threads(1)  # tiny models on shared CPUs time best single-threaded
+    cfg = OmegaConf.create(cfg_dict)
+    model, tok = tgt.load(cfg.target)
+    if torch.cuda.is_available():  # a GPU worker (cluster.use_gpu): target and drafters on it
+        model = model.to("cuda")
+    embed, lm_head, _ = tgt.shared_vocab(model, tok)
+    out = {}
+    for name, path in drafters.items():
+        drafter = load_drafter(path, embed, lm_head)
+        for t in temperatures:
+            results, skipped, _ = replay(model, tok, drafter, records, cfg.eval, temperature=t)
+            out.setdefault(name, {})[str(t)] = (results, skipped)
+    return out
+
+
+def _method_report(cfg, name: str, parts: list, speed: dict, temperatures: list) -> dict:
+    from dlite.decoding.replay import aggregate, resolve_args
+    by_t = {}
+    for t in temperatures:
+        key, a = str(t), resolve_args(cfg.eval, temperature=t)
+        a.buckets = tuple(a.buckets)
+        rep = aggregate([r for p in parts for r in p[name][key][0]], sum(p[name][key][1] for p in parts), a)
+        fast = aggregate(*speed[name][key], a)
+        rep.update({k: fast[k] for k in SPEED_KEYS}, speed_tasks=fast["n_tasks"])
+        if rep["lossless"] is not None:  # the speed replay is checked too
+            rep["lossless"] = rep["lossless"] and fast["lossless"]
+        by_t[key] = rep
+    first = by_t[str(min(temperatures))]
+    return {**{k: v for k, v in first.items() if k != "per_task"}, "temperature": min(temperatures),
+            "by_temperature": by_t, "lossless": all(r["lossless"] is not False for r in by_t.values())}
+
+
+def evaluate(cfg, drafters: Dict[str, str]) -> dict:
+    """Acceptance over workers, then speed on one; the report of every drafter."""
+    from dlite import target as tgt
+    from dlite.envinfo import env_info
+    if not drafters:
+        raise ValueError("evaluate: no drafters to evaluate")
+    drafters = {n: str(Path(d).resolve()) for n, d in sorted(drafters.items(), key=lambda kv: _rank(kv[0]))}
+    records, temps = heldout_records(cfg), sorted({float(t) for t in cfg.eval.temperatures})
+    n = min(cfg.eval.num_workers or cfg.cluster.num_workers, len(records))
+    init_ray(cfg)
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    gpus = cfg.cluster.gpus_per_worker if cfg.cluster.use_gpu else 0
+    task = ray.remote(num_cpus=1, num_gpus=gpus)(_replay_all)
+    print(f"[evaluate] {len(drafters)} drafters x {len(records)} trajectories x T={temps} "
+          f"on {n} workers, then speed on 1 worker", flush=True)
+    parts = ray.get([task.remote(conf, drafters, records[i::n], temps) for i in range(n)])
+    speed = ray.get(task.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps))
+    methods = {name: {**_method_report(cfg, name, parts, speed, temps), "drafter": path}
+               for name, path in drafters.items()}
+    primary = next(iter(methods))
+    keep = ("tau", "accept_at_k", "tau_by_bucket", "accept_at_k_by_bucket", "speedup_vs_ar",
+            "speedup_vs_ar_by_bucket", "draft_ms_by_bucket", "draft_cache_bytes_by_bucket",
+            "time_split", "lossless", "bucket_labels", "gamma")
+    return {"methods": methods, "primary": primary, **{k: methods[primary][k] for k in keep},
+            "lossless": all(m["lossless"] for m in methods.values()),
+            "plain": {"tokens_per_s": methods[primary]["tokens_per_s"]["plain"]},
+            "n_trajectories": len(records), "target_fingerprint": tgt.fingerprint(cfg.target),
+            "config": conf, "env": env_info()}
+
+
+def _rank(name: str) -> int:
+    return METHOD_ORDER.index(name) if name in METHOD_ORDER else len(METHOD_ORDER)
+
+
+def metric_items(report: dict) -> dict:
+    """The report as flat MLflow metrics: `<method>.<greedy|t1>.<metric>[.<slot|bucket>]`
+    (MLflow names allow no `<` / `>`, so bucket labels become lt1K / gt16K)."""
+    out = {}
+    for name, m in report["methods"].items():
+        for t, r in m["by_temperature"].items():
+            pre = f"{name}.{'greedy' if float(t) == 0 else 't' + format(float(t), 'g')}"
+            for k in ("tau", "speedup_vs_ar", "speedup_vs_ar_e2e"):
+                if r.get(k) is not None:
+                    out[f"{pre}.{k}"] = r[k]
+            out.update({f"{pre}.accept_at_k.{i + 1}": v for i, v in enumerate(r["accept_at_k"]) if v is not None})
+            out.update({f"{pre}.tau_by_bucket.{metric_label(b)}": v for b, v in r["tau_by_bucket"].items() if v is not None})
+        out[f"{name}.lossless"] = float(bool(m["lossless"]))
+    return out
+
+
+def metric_label(bucket: str) -> str:
+    return bucket.replace("<", "lt").replace(">", "gt")
+
+
+def evaluate_stage(cfg, drafters: Dict[str, str], output, parent_run_id=None) -> dict:
+    """The stage: evaluate, write `<output>/report.json` last (a rerun returns it), plot,
+    log metrics + report + plots to the stage's MLflow child run."""
+    from pipelines.common import plots, tracking
+    out = Path(output).resolve()
+    if (out / REPORT).is_file():
+        return json.loads((out / REPORT).read_text())
+    uri = cfg.tracking.uri
+    run_id = tracking.open_child(cfg, "evaluate", out, parent_run_id)
+    try:
+        report = evaluate(cfg, drafters)
+        stage = out / ".staging"  # the report lands in `out` only after it is logged
+        stage.mkdir(exist_ok=True)
+        (stage / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        pngs = [plots.accept_at_k_plot(report["methods"], out / "accept_at_k.png"),
+                plots.tau_by_bucket_plot(report["methods"], out / "tau_by_bucket.png")]
+        tracking.log_metrics(uri, run_id, 0, metric_items(report))
+        for f in [stage / REPORT, *pngs]:
+            tracking.log_artifact(uri, run_id, f, "evaluation")
+    except BaseException:
+        tracking.finish(uri, run_id, "FAILED")
+        raise
+    (stage / REPORT).rename(out / REPORT)
+    tracking.finish(uri, run_id)
+    return report
