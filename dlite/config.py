@@ -119,9 +119,60 @@ def _first_line(e: Exception) -> str:
 def _fill_tracking(cfg: DictConfig) -> None:
     # Resolved here, not in the tracker, so the logged config shows what was used.
     t = cfg.tracking
-    t.uri = _absolute_sqlite(t.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db")
+    _check_job_paths(cfg)
+    t.uri = _absolute_sqlite(t.uri or os.environ.get("MLFLOW_TRACKING_URI") or _default_store(cfg))
     t.experiment = t.experiment or f"dlite-{cfg.target.name}"
     t.registered_model = t.registered_model or f"dlite-{cfg.target.name}"
+
+
+# Set by Ray's job supervisor for every `ray job submit` / KubeRay RayJob entrypoint.
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+RAY_PACKAGE_DIR = "/runtime_resources/working_dir_files/"  # where Ray unpacks --working-dir
+
+
+def in_ray_job() -> bool:
+    """True in the entrypoint of a Ray job: its working directory is Ray's unpacked copy
+    of `--working-dir` (garbage-collected with the session; on Kubernetes an ephemeral
+    pod disk), so nothing that must outlive the job may be written relative to it."""
+    return bool(os.environ.get(RAY_JOB_ENV)) or RAY_PACKAGE_DIR in f"{Path.cwd()}/"
+
+
+def _default_store(cfg: DictConfig) -> str:
+    """The MLflow store when neither tracking.uri nor $MLFLOW_TRACKING_URI names one: by
+    hand, `mlflow.db` in the current directory; in a Ray job, beside the stage outputs
+    in the (absolute) `run.output_dir`. Not a refusal there: the user already chose that
+    directory to outlive the job, and a run's record belongs with its outputs. (SQLite
+    on a network volume suits one writer at a time: a multi-node cluster should set
+    MLFLOW_TRACKING_URI to a server, as infra/ does.)"""
+    if in_ray_job():
+        return f"sqlite:///{Path(cfg.run.output_dir) / 'mlflow.db'}"
+    return "sqlite:///mlflow.db"
+
+
+def _relative_store(uri: str) -> bool:
+    """A local MLflow store named relative to the current directory."""
+    for prefix in ("sqlite:///", "file://", "file:"):
+        if uri.startswith(prefix):
+            return not uri[len(prefix):].startswith("/")
+    return "://" not in uri and uri != "databricks" and not Path(uri).is_absolute()
+
+
+def _check_job_paths(cfg: DictConfig) -> None:
+    """In a Ray job, refuse (before any work) a relative output dir or MLflow store:
+    they would resolve inside the job's temporary copy and be lost with it."""
+    if not in_ray_job():
+        return
+    why = f"and this runs as a Ray job whose working dir ({Path.cwd()}) is a temporary copy Ray deletes"
+    _require(Path(cfg.run.output_dir).is_absolute(), "run.output_dir",
+             f"{cfg.run.output_dir!r} is relative, {why}: the stage outputs and the default "
+             "MLflow store would go with it; give an absolute path every node sees "
+             "(run.output_dir=/shared/runs)")
+    uri, key = cfg.tracking.uri, "tracking.uri"
+    if not uri:
+        uri, key = os.environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI"
+    _require(not (uri and _relative_store(uri)), key,
+             f"{uri!r} is relative, {why}: the MLflow record would go with it; use a server "
+             "(http://...) or an absolute path every node sees")
 
 
 def _absolute_sqlite(uri: str) -> str:
@@ -157,6 +208,8 @@ ENUMS = {
     "data.reference": {"last_hidden", "topk"},
     "data.length_policy": {"truncate", "split", "drop"},
     "train.precision": {"fp32", "bf16"},
+    "target.dtype": {"float32", "bfloat16", "float16"},
+    "target.attn_implementation": {"sdpa", "eager", "flash_attention_2"},
     "cluster.backend": {"gloo", "nccl"},
     "eval.turn_pick": {"first", "spread"},
     "cluster.accelerator": {"cpu", "gpu"},
@@ -167,11 +220,11 @@ POSITIVE = [
     "drafter.head_hidden", "drafter.markov_rank", "data.n_train", "data.n_heldout",
     "data.max_seq_len", "data.topk", "data.anchors_per_seq", "train.steps_align",
     "train.steps_dspark", "train.lr", "train.batch_size", "train.grad_accum",
-    "eval.n_trajectories", "eval.max_new_tokens", "cluster.num_workers",
+    "eval.n_trajectories", "eval.max_new_tokens", "eval.threads", "cluster.num_workers",
     "cluster.cpus_per_worker", "data.regen_max_new_tokens", "data.records_per_shard",
     "data.batch_tokens", "data.shuffle_buffer", "data.cache_bytes", "eval.speed_trajectories",
 ]
-NULLABLE = {"train.precision"}  # None: the accelerator's default
+NULLABLE = {"train.precision", "target.attn_implementation"}  # None: the library's default
 NON_NEGATIVE = [
     "data.min_chars", "train.weight_decay", "train.grad_clip", "train.eval_every",
     "train.max_failures", "eval.top_k", "cluster.gpus_per_worker", "gate.min_tau",
@@ -198,6 +251,7 @@ def validate(cfg: DictConfig) -> None:
         _require(stage in STAGES, "run.stages", f"{stage!r} not one of {STAGES}")
     _check_drafter(cfg)
     _check_target_layers(cfg)
+    _check_draft_vocab(cfg)
     _check_cluster(cfg.cluster)
     _check_data_train_eval(cfg)
 
@@ -211,10 +265,29 @@ def _check_drafter(cfg: DictConfig) -> None:
              f"must exceed drafter.gamma={d.gamma} to hold one block")
 
 
+def _check_draft_vocab(cfg: DictConfig) -> None:
+    """drafter.draft_vocab_size: null (the full vocabulary), or N ids with gamma <= N <= V
+    (fewer than gamma ids could not even hold one block of distinct guesses)."""
+    n, key = cfg.drafter.draft_vocab_size, "drafter.draft_vocab_size"
+    if n is None:
+        return
+    _require(n >= max(2, cfg.drafter.gamma), key,
+             f"must be >= drafter.gamma={cfg.drafter.gamma} (or null: the full vocabulary), got {n}")
+    vocab = _target_json(cfg.target.path).get("vocab_size")
+    _require(vocab is None or n <= vocab, key, f"{n} exceeds the target's vocabulary of {vocab}")
+
+
 def _target_json(path: str) -> dict:
     """The target's HF config.json when it is on disk (builtin:tiny or a local dir);
     empty for a hub id, whose layer count is only known after downloading."""
     d = TINY_TARGET_DIR if path == "builtin:tiny" else Path(path)
+    if path.startswith("pypi:"):  # installed is checked here; converted only when used,
+        from dlite.target import gguf  # so its sizes come from target.num_layers/hidden_size
+        try:
+            gguf.package_gguf(path)
+        except gguf.TargetSourceError as e:
+            raise ConfigError(str(e)) from None
+        return {}
     if not (d / "config.json").is_file():
         return {}
     try:

@@ -22,10 +22,15 @@ class RunConfig:
 @dataclass
 class TargetConfig:
     name: str = "tiny"
-    path: str = "builtin:tiny"  # "builtin:tiny", a local dir, or a hub id
+    # "builtin:tiny", "pypi:<package>" (a packaged GGUF, converted once), a local HF
+    # directory, or a remote source jobs.pipeline copies first (s3://, gs://, models:/...)
+    path: str = "builtin:tiny"
     num_layers: Optional[int] = None  # None: read from the target's config.json
     hidden_size: Optional[int] = None
     revision: Optional[str] = None
+    # One dtype for collection, training features and evaluation (recorded, checked).
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    attn_implementation: Optional[str] = "sdpa"  # "sdpa" | "eager" | None: transformers' default
 
 
 @dataclass
@@ -44,6 +49,7 @@ class DataConfig:
     length_policy: str = "truncate"  # over max_seq_len: "truncate" | "split" | "drop"
     regenerate: bool = False  # re-generate assistant turns with the target (self-distillation)
     regen_max_new_tokens: int = 256
+    keep_reasoning: bool = False  # keep thinking/reasoning items as assistant reasoning_content
     records_per_shard: int = 64  # record i goes to shard i // records_per_shard (resume)
     batch_tokens: int = 16384    # token budget of one length-bucketed target forward
     shuffle_buffer: int = 256    # rows in each training rank's shuffle buffer
@@ -85,6 +91,7 @@ class EvalConfig:
     max_context: Optional[int] = None  # longer histories are skipped and counted
     num_workers: Optional[int] = None  # acceptance replay in parallel (None: cluster.num_workers)
     speed_trajectories: int = 2  # timed alone on one worker, plain vs speculative interleaved
+    threads: int = 1  # torch threads per evaluation worker (plain and speculative alike)
 
 
 @dataclass
@@ -101,7 +108,8 @@ class ClusterConfig:
 
 @dataclass
 class TrackingConfig:
-    uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db (in a Ray job: <run.output_dir>/mlflow.db)
+    uri: Optional[str] = None
     experiment: Optional[str] = None  # None: dlite-<target.name>
     registered_model: Optional[str] = None  # None: dlite-<target.name>
 

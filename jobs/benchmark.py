@@ -15,6 +15,9 @@ collects itself.
 the DSpark-style baseline, same data and step budget, trained on a 1536-token window and
 evaluated on held-out histories up to 16K tokens; ratios, goals, draft cost; plots.
 `--ablations all|a,b` adds the why-table: DLite with one switch changed at a time.
+`target_probe`: the configured target alone: next-token / copy accuracy and top-1
+probability per context bucket on the held-out trajectories, and the cost of one decode
+step vs one verified block at each `--context-lengths` (`--threads`, default 1).
 """
 
 import json
@@ -67,7 +70,28 @@ def quality(cfg, args) -> dict:
                budget=args.budget)
 
 
-BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality}
+def target_probe(cfg, args) -> dict:
+    # The configured target alone, on the held-out trajectories the evaluation replays:
+    # accuracy / copy accuracy / confidence per context bucket, and what one decode step
+    # and one verified block cost at each of --context-lengths (cut to its max positions).
+    import torch
+    from dlite import target as tgt
+    from dlite.bench.target_probe import step_costs
+    from dlite.envinfo import env_info
+    from omegaconf import OmegaConf
+    from pipelines.benchmarks.quality import target_by_bucket
+    torch.set_num_threads(args.threads)
+    model = tgt.load_model(cfg.target)
+    limit = getattr(model.config, "max_position_embeddings", None) or max(args.context_lengths) + 8
+    contexts = [L for L in args.context_lengths if L + 8 <= limit]
+    return {"target": cfg.target.name, "dtype": cfg.target.dtype, "attn": cfg.target.attn_implementation,
+            "target_by_bucket": target_by_bucket(cfg, max_len=limit),
+            "step_costs": step_costs(model, contexts, block=cfg.drafter.gamma + 1),
+            "config": OmegaConf.to_container(cfg, resolve=True), "env": env_info()}
+
+
+BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality,
+              "target_probe": target_probe}
 
 
 def main(argv=None) -> int:

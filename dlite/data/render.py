@@ -21,6 +21,7 @@ Length policies (over `max_seq_len` tokens):
 import re
 from typing import List, Optional, Protocol, Tuple
 
+from dlite.data import chat
 from dlite.data.anchors import anchor_seed, sample_anchors
 from dlite.data.formats import Quarantine
 
@@ -29,12 +30,13 @@ Encoded = Tuple[List[int], List[int]]  # (input_ids, loss_mask)
 
 
 def _render(tok, messages, tools, generation_prompt=False) -> str:
-    return tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                   add_generation_prompt=generation_prompt)
+    return chat.render(tok, messages, tools, generation_prompt)
 
 
 def encode(tok, messages: list, tools: Optional[list] = None) -> Encoded:
-    """Token ids of the rendered conversation and its assistant-token loss mask."""
+    """Token ids of the rendered conversation and its assistant-token loss mask (tool
+    calls rendered as text when the template cannot, see `dlite.data.chat`)."""
+    messages, tools = chat.adapt(tok, messages, tools)
     if GENERATION_TAG.search(tok.chat_template or ""):
         enc = tok.apply_chat_template(messages, tools=tools or None, tokenize=True,
                                       return_dict=True, return_assistant_tokens_mask=True)
@@ -57,7 +59,7 @@ def _turn_markers(tok) -> Tuple[str, str]:
 
 def _encode_by_markers(tok, messages, tools) -> Encoded:
     header, end = _turn_markers(tok)
-    text = _render(tok, messages, tools)
+    text = chat.apply(tok, messages, tools)
     spans, at = [], 0
     while (start := text.find(header, at)) >= 0:
         stop = text.find(end, start + len(header))
@@ -196,13 +198,14 @@ class HFRegenerator:
 
     def _turn(self, history: list, tools: list) -> dict:
         import torch
+        from dlite.target import eos_ids
         prompt = _render(self.tok, history, tools, generation_prompt=True)
         dev = next(self.model.parameters()).device
         ids = self.tok(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(dev)
         with torch.no_grad():
             gen = self.model.generate(ids, attention_mask=torch.ones_like(ids),
                                       max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
-                                      eos_token_id=self.tok.eos_token_id,
+                                      eos_token_id=list(eos_ids(self.model, self.tok)),
                                       pad_token_id=self.tok.pad_token_id or self.tok.eos_token_id)
         text = self.tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)
         for stop in (self.tok.eos_token, self.tok.pad_token):

@@ -21,8 +21,10 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
+from dlite.data import chat
 from dlite.decoding import metrics
 from dlite.decoding.decode import plain_generate, speculative_generate
+from dlite.target import eos_ids
 
 
 @dataclasses.dataclass
@@ -50,17 +52,8 @@ def resolve_args(args=None, **overrides) -> EvalArgs:
     return dataclasses.replace(out, **overrides)
 
 
-def _text(content) -> str:
-    """OpenAI content: a string or a list of parts; only text parts are rendered."""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
-
-
 def render_ids(tokenizer, messages: List[dict], tools=None) -> List[int]:
-    msgs = [dict(m, content=_text(m.get("content"))) for m in messages]
-    text = tokenizer.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=True,
-                                         tokenize=False)
+    text = chat.render(tokenizer, messages, tools, generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -189,7 +182,7 @@ def replay(target, tokenizer, drafter, records: Iterable[dict], args=None, **ove
     `drafter` is a drafter or a factory prompt_ids -> drafter."""
     a = resolve_args(args, **overrides)
     a.buckets = tuple(a.buckets)
-    eos = (tokenizer.eos_token_id,)
+    eos = eos_ids(target, tokenizer)  # every id the target's generation config stops on
     results, skipped = [], 0
     for rec in records:
         for task in iter_tasks(tokenizer, rec, a.max_turns, a.turn_pick):

@@ -49,7 +49,7 @@ def compare(report: dict, window: int) -> dict:
     }
 
 
-def target_by_bucket(cfg) -> dict:
+def target_by_bucket(cfg, max_len=None) -> dict:
     """The target's own accuracy and confidence per context bucket, on the held-out
     trajectories the evaluation replays (dlite.bench.target_probe: where the target
     itself fails, acceptance measures the target, not the drafters)."""
@@ -58,7 +58,7 @@ def target_by_bucket(cfg) -> dict:
     from dlite.decoding.replay import render_ids
     from pipelines.stages.evaluate import heldout_records
     model, tok = tgt.load(cfg.target)
-    seqs = [render_ids(tok, r["messages"], r.get("tools")) for r in heldout_records(cfg) if "messages" in r]
+    seqs = [render_ids(tok, r["messages"], r.get("tools"))[:max_len] for r in heldout_records(cfg) if "messages" in r]
     return probe(model, seqs, list(cfg.eval.buckets))
 
 

@@ -68,6 +68,7 @@ def make_plan(cfg, st: CollectSettings, fingerprint: dict, identity: list) -> di
             "gamma": cfg.drafter.gamma if d.storage_mode == "anchors" else None,
             "anchors_per_seq": d.anchors_per_seq, "max_seq_len": d.max_seq_len,
             "length_policy": d.length_policy, "seed": cfg.run.seed,
+            "target_dtype": cfg.target.dtype, "keep_reasoning": d.keep_reasoning,
             "regenerate": st.regenerate,
             "regen_max_new_tokens": st.regen_max_new_tokens if st.regenerate else None,
             "records_per_shard": st.records_per_shard, "input": identity}
@@ -79,7 +80,7 @@ def _entry(index, where, q: Quarantine, rid=None) -> dict:
     return {"index": index, "id": rid, "where": where, "reason": q.reason, "detail": q.detail}
 
 
-def _prepare(batch, duplicates, require_assistant):
+def _prepare(batch, duplicates, require_assistant, keep_reasoning=False):
     """One payload per shard: its validated canonical records and its quarantine entries."""
     dups, out = set(duplicates), []
     for s in batch["spec"]:
@@ -89,7 +90,7 @@ def _prepare(batch, duplicates, require_assistant):
             try:
                 if isinstance(raw, Quarantine):
                     raise raw
-                rec = formats.to_canonical(raw, where)
+                rec = formats.to_canonical(raw, where, keep_reasoning=keep_reasoning)
                 rid = rec["id"]
                 if index in dups:
                     raise Quarantine("duplicate_id", f"id {rid!r} appears earlier in the input")
@@ -114,7 +115,8 @@ class _FeatureWorker:
         from dlite.data.render import HFRegenerator
         self.cfg, self.st = OmegaConf.create(cfg), CollectSettings(**settings)
         gpu = self.st.gpus_per_actor > 0 and torch.cuda.is_available()
-        self.model, self.tok = target.load(self.cfg.target, torch.bfloat16 if gpu else None)
+        # The configured target dtype, as training features and evaluation will use it.
+        self.model, self.tok = target.load(self.cfg.target)
         self.model.to("cuda" if gpu else "cpu")
         self.tf = TargetFeatures(self.model, self.cfg.drafter.target_layer_ids)
         self.regen = HFRegenerator(self.model, self.tok, self.st.regen_max_new_tokens) \
@@ -179,8 +181,8 @@ def _duplicates(specs: list) -> list:
 def _run_features(cfg, st: CollectSettings, todo: list, dups: list, plan_id: str, output: str):
     items = [{"spec": json.dumps(s)} for s in todo]
     ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        _prepare, batch_size=1, fn_kwargs={"duplicates": dups,
-                                           "require_assistant": not st.regenerate})
+        _prepare, batch_size=1, fn_kwargs={"duplicates": dups, "require_assistant": not st.regenerate,
+                                           "keep_reasoning": bool(cfg.data.keep_reasoning)})
     ds = ds.map_batches(
         _FeatureWorker, batch_size=1, num_cpus=1, num_gpus=st.gpus_per_actor or None,
         compute=ray.data.ActorPoolStrategy(size=st.num_actors, max_tasks_in_flight_per_actor=1),
@@ -198,10 +200,10 @@ def _check_target(cfg) -> dict:
     target fails at once instead of inside every actor."""
     from safetensors import safe_open
     from transformers import AutoConfig
-    from dlite import target, tiny
+    from dlite import target
     try:
         fp = target.fingerprint(cfg.target)
-        tok = tiny.load_tokenizer(str(target.tokenizer_dir(cfg.target)))
+        tok = target.load_tokenizer(cfg.target)
         conf = AutoConfig.from_pretrained(target.target_dir(cfg.target))
         weights = sorted(target.target_dir(cfg.target).glob("*.safetensors"))
         if not weights:
@@ -214,7 +216,7 @@ def _check_target(cfg) -> dict:
     if not tok.chat_template:
         raise CollectError(f"target.path: the tokenizer of {cfg.target.path!r} has no chat template")
     return {"fingerprint": fp, "hidden_size": conf.hidden_size,
-            "num_layers": conf.num_hidden_layers}
+            "num_layers": conf.num_hidden_layers, "dtype": cfg.target.dtype}
 
 
 def _resolve_input(cfg, input_path: str, output: str) -> str:
@@ -243,6 +245,7 @@ def _manifest(cfg, plan: dict, plan_id: str, tinfo: dict, sides: list, seconds: 
             "plan_id": plan_id, "target_fingerprint": tinfo["fingerprint"],
             "layer_ids": plan["layer_ids"], "num_layers": tinfo["num_layers"],
             "hidden_size": tinfo["hidden_size"], "feature_dim": k * tinfo["hidden_size"],
+            "target_dtype": tinfo["dtype"],
             "dtypes": {"features": "float16", "ref_hidden": "float16", "topk_ids": "int32",
                        "topk_logprobs": "float16", "input_ids": "int32", "loss_mask": "int8"},
             "columns": shards.shard_schema(d.reference).names, "counts": counts,
@@ -281,6 +284,7 @@ def collect(cfg, input_path: str, output: str, settings: CollectSettings = None)
                            "are missing after the run")
     shards.write_quarantine(store, [e for s in sides for e in s["quarantine"]])
     manifest = _manifest(cfg, plan, plan_id, tinfo, sides, time.time() - t0)
+    manifest["counts"]["formats"] = formats.count_formats(specs)  # records read, per input format
     shards.write_manifest(store, manifest)
     return manifest
 

@@ -58,15 +58,16 @@ def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, tempera
     from dlite import target as tgt
     from dlite.export import load_drafter
     from dlite.decoding.replay import replay
-    torch.set_num_threads(1)  # tiny models on shared CPUs time best single-threaded
     cfg = OmegaConf.create(cfg_dict)
-    model, tok = tgt.load(cfg.target)
+    # Tiny models on shared CPUs time best single-threaded; a real target may not.
+    torch.set_num_threads(cfg.eval.threads)
+    model, tok = tgt.load(cfg.target)  # target.dtype / attn_implementation, as collected
     if torch.cuda.is_available():  # a GPU worker (cluster.use_gpu): target and drafters on it
         model = model.to("cuda")
     embed, lm_head, _ = tgt.shared_vocab(model, tok)
     out = {}
     for name, path in drafters.items():
-        drafter = load_drafter(path, embed, lm_head)
+        drafter = load_drafter(path, embed, lm_head).to(model.dtype)  # the target's dtype
         for t in temperatures:
             results, skipped, _ = replay(model, tok, drafter, records, cfg.eval, temperature=t)
             out.setdefault(name, {})[str(t)] = (results, skipped)
@@ -97,6 +98,7 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     if not drafters:
         raise ValueError("evaluate: no drafters to evaluate")
     drafters = {n: str(Path(d).resolve()) for n, d in sorted(drafters.items(), key=lambda kv: _rank(kv[0]))}
+    _check_dtype(cfg, drafters)
     records, temps = heldout_records(cfg), sorted({float(t) for t in cfg.eval.temperatures})
     n = min(cfg.eval.num_workers or cfg.cluster.num_workers, len(records))
     init_ray(cfg)
@@ -118,6 +120,16 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
             "plain": {"tokens_per_s": methods[primary]["tokens_per_s"]["plain"]},
             "n_trajectories": len(records), "target_fingerprint": tgt.fingerprint(cfg.target),
             "config": conf, "env": env_info()}
+
+
+def _check_dtype(cfg, drafters: Dict[str, str]) -> None:
+    """A drafter trained on features of the target in one dtype is evaluated against the
+    target in that dtype, or not at all (before any Ray work)."""
+    for name, path in drafters.items():
+        conf = json.loads((Path(path) / "config.json").read_text())
+        if conf.get("target_dtype", cfg.target.dtype) != cfg.target.dtype:
+            raise ValueError(f"target.dtype {cfg.target.dtype!r} but drafter {name} ({path}) was trained "
+                             f"on features of the target in {conf['target_dtype']!r}")
 
 
 def _rank(name: str) -> int:

@@ -57,6 +57,10 @@ def check_inputs(cfg, plan: st.StagePlan, input_uri: str, teacher: Optional[str]
         if why:
             raise TrainError(f"{flag} {uri}: storage_mode 'anchors' keeps features at the sampled "
                              f"anchors only, but {why}; collect with data.storage_mode=full")
+    # Manifests written before target.dtype existed were all collected in float32.
+    if m.get("target_dtype", "float32") != cfg.target.dtype:
+        raise TrainError(f"target.dtype {cfg.target.dtype!r} but the shards were collected with the "
+                         f"target in {m.get('target_dtype', 'float32')!r}: features differ; recollect")
     if list(m["layer_ids"]) != list(cfg.drafter.target_layer_ids):
         raise TrainError(f"drafter.target_layer_ids {list(cfg.drafter.target_layer_ids)} but the "
                          f"shards captured {m['layer_ids']}")

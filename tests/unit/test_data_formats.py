@@ -1,9 +1,11 @@
 """Trajectory input without Ray: readers and shard planning over every input kind, the
-adapters to canonical messages, every quarantine reason, chat rendering with loss masks
+adapters to canonical messages (one fixture per on-disk format under
+tests/fixtures/trajectories, equivalent ones rendering identically), every quarantine reason, chat rendering with loss masks
 (generation blocks and the marker fallback, on a Qwen3-style template too), the length
 policies, anchor sampling, and HF-generate regeneration on a tiny random target."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from dlite.corpus import trajectories as corpus
 from dlite.tiny import load_tokenizer
 from dlite.tiny.tokenizer import CHAT_TEMPLATE
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "trajectories"
 CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}]
 
 
@@ -138,6 +141,182 @@ def test_hf_datasets_directory(tmp_path):
     specs, _ = formats.plan_input(str(tmp_path / "hf"), per_shard=3)
     got = [(w, _canon(raw, w)["id"]) for s in specs for _, w, raw in formats.read_spec(s)]
     assert got == [(f"hf#row{i}", f"h{i}") for i in range(4)]
+
+
+# ---------------------------------------------------------------- on-disk formats
+
+C1 = "cat hello.py"
+# (where, source_format, id, roles) of every record of the fixtures directory, in order
+FIXTURE_RECORDS = [
+    ("anthropic_messages.json", "anthropic", "fix-typo-anthropic", "suatata"),
+    ("mini_swe_agent_bare.traj.json", "mini-swe-agent", "mini_swe_agent_bare.traj.json", "suauau"),
+    ("mini_swe_agent_responses.traj.json", "mini-swe-agent/responses", "fix-typo-mini-responses",
+     "suatata"),
+    ("mini_swe_agent_toolcall.traj.json", "mini-swe-agent", "fix-typo-mini-toolcall", "suatata"),
+    ("openai_chat.jsonl:1", "openai", "fix-typo-openai", "suatata"),
+    ("openai_chat.jsonl:2", "openai", "text-parts", "ua"),
+    ("responses_api.json", "responses", "fix-typo-responses", "suatata"),
+    ("sharegpt.json#0", "sharegpt", "sharegpt-1", "suata"),
+    ("sharegpt.json#1", "sharegpt", "sharegpt-2", "ua"),
+    ("swe_agent.traj", "swe-agent", "fix-typo-swe-agent", "suatat"),
+]
+# One conversation written by four producers (mini-swe-agent's two without tool schemas).
+EQUIVALENT = ["anthropic_messages.json", "openai_chat.jsonl:1", "responses_api.json"]
+EQUIVALENT_MINI = ["mini_swe_agent_toolcall.traj.json", "mini_swe_agent_responses.traj.json"]
+
+
+@pytest.fixture(scope="module")
+def fixture_raw():
+    specs, _ = formats.plan_input(str(FIXTURES), per_shard=4)
+    return {where: raw for s in specs for _, where, raw in formats.read_spec(s)}
+
+
+def _fixture(fixture_raw, where, keep_reasoning=False):
+    return formats.normalise(formats.to_canonical(fixture_raw[where], where, keep_reasoning))
+
+
+def test_fixtures_are_detected_from_content(fixture_raw):
+    assert list(fixture_raw) == [w for w, *_ in FIXTURE_RECORDS]
+    for where, fmt, rid, roles in FIXTURE_RECORDS:
+        rec = _fixture(fixture_raw, where)
+        assert (rec["source_format"], rec["id"]) == (fmt, rid), where
+        assert "".join(m["role"][0] for m in rec["messages"]) == roles, where
+        assert formats.source_format(fixture_raw[where]) == fmt
+    specs, _ = formats.plan_input(str(FIXTURES), per_shard=4)
+    assert formats.count_formats(specs) == {
+        "anthropic": 1, "mini-swe-agent": 2, "mini-swe-agent/responses": 1, "openai": 2,
+        "responses": 1, "sharegpt": 2, "swe-agent": 1}
+
+
+@pytest.mark.parametrize("where", [w for w, *_ in FIXTURE_RECORDS])
+def test_fixture_assistant_tokens_are_supervised(tok, fixture_raw, where):
+    """On the rendered ids: every assistant text and call is in the supervised tokens,
+    nothing the system, the user or a tool said is."""
+    rec = _fixture(fixture_raw, where)
+    ids, mask = render.encode(tok, rec["messages"], rec["tools"])
+    said = tok.decode([i for i, m in zip(ids, mask) if m])
+    for m in rec["messages"]:
+        if m["role"] == "assistant":
+            assert m["content"].strip() in said
+            for c in m.get("tool_calls", []):
+                assert json.dumps(c["function"]["name"]) in said
+        elif m["role"] != "tool" and m["content"].strip():
+            assert m["content"].strip() not in said
+    assert "<tool_response>" not in said and "<|im_start|>" not in said
+    assert said.count("<|im_end|>") == sum(m["role"] == "assistant" for m in rec["messages"])
+
+
+def _no_ids(rec) -> list:
+    """Messages without call ids (each producer names its calls its own way)."""
+    out = []
+    for m in rec["messages"]:
+        m = {k: v for k, v in m.items() if k != "tool_call_id"}
+        if "tool_calls" in m:
+            m["tool_calls"] = [{**c, "id": ""} for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("group", [EQUIVALENT, EQUIVALENT_MINI])
+def test_equivalent_fixtures_normalise_and_render_identically(tok, fixture_raw, group):
+    recs = [_fixture(fixture_raw, w) for w in group]
+    first = recs[0]["messages"][2]["tool_calls"][0]
+    assert first["type"] == "function" and first["function"] == {"name": "bash",
+                                                                 "arguments": {"command": C1}}
+    assert all(_no_ids(r) == _no_ids(recs[0]) and r["tools"] == recs[0]["tools"] for r in recs)
+    assert all("reasoning_content" not in m for r in recs for m in r["messages"])  # default: dropped
+    texts = {tok.apply_chat_template(r["messages"], tools=r["tools"] or None, tokenize=False)
+             for r in recs}
+    assert len(texts) == 1
+    encoded = [render.encode(tok, r["messages"], r["tools"]) for r in recs]
+    assert all(e == encoded[0] for e in encoded)
+    kept = [_fixture(fixture_raw, w, keep_reasoning=True)["messages"][2] for w in group]
+    assert [m["reasoning_content"] for m in kept] == ["The typo must be in the print call."] * len(group)
+
+
+def test_tool_schemas_become_openai_function_tools(fixture_raw):
+    tools = [_fixture(fixture_raw, w)["tools"] for w in EQUIVALENT]
+    assert tools[0] == tools[1] == tools[2] and tools[0][0]["type"] == "function"
+    assert set(tools[0][0]["function"]) == {"name", "description", "parameters"}
+
+
+def test_dialect_details():
+    """Pieces the fixtures do not show: Responses tool output as parts, assistant items
+    merging into one turn, Anthropic redacted thinking, OpenRouter `reasoning`, the
+    mini-swe-agent exit record, argument text that is not a JSON object."""
+    rec = _canon([{"role": "user", "content": "go"},
+                  {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+                  {"type": "function_call", "call_id": "b", "name": "g", "arguments": "[1]"},
+                  {"type": "function_call_output", "call_id": "a",
+                   "output": [{"type": "input_text", "text": "A"}]},
+                  {"type": "function_call_output", "call_id": "b", "output": "B"},
+                  {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"},
+                                                    {"type": "text", "text": "ok"}]},
+                  {"role": "exit", "content": "", "extra": {"exit_status": "Submitted"}}])
+    assert [m["role"] for m in rec["messages"]] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert [c["function"]["arguments"] for c in rec["messages"][1]["tool_calls"]] == [{}, "[1]"]
+    assert rec["messages"][2]["content"] == "A" and rec["messages"][4]["content"] == "ok"
+    said = {"role": "assistant", "content": "4", "reasoning": "2+2"}
+    assert formats.to_canonical({"messages": [CHAT[0], said]}, "x", True)["messages"][1][
+        "reasoning_content"] == "2+2"
+    assert "reasoning_content" not in formats.to_canonical({"messages": [CHAT[0], said]}, "x")[
+        "messages"][1]
+    bad_args = {"messages": [CHAT[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "function": {"name": "f", "arguments": "{not json"}}]}]}
+    assert _canon(bad_args)["messages"][1]["tool_calls"][0]["function"]["arguments"] == "{not json"
+
+
+@pytest.mark.parametrize("raw, seen", [
+    (42, "a JSON int"), ("text", "a JSON str"), ([1, 2], "a list of 2 items"),
+    ([{"prompt": "x"}], "keys ['prompt']"), ({"prompt": "x"}, "keys ['prompt']"),
+])
+def test_valid_json_of_no_known_shape_is_unknown_format(raw, seen):
+    with pytest.raises(Quarantine) as e:
+        _canon(raw)
+    assert e.value.reason == "unknown_format" and seen in e.value.detail
+    assert formats.source_format(raw) == "unknown"
+
+
+@pytest.mark.parametrize("raw, reason", [
+    ({"messages": [CHAT[0], {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}},
+        {"type": "image", "source": {}}]}]}, "non_text_content"),
+    ({"messages": [CHAT[0], {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                      "content": [{"type": "image", "source": {}}]}]}]},
+     "non_text_content"),
+    ({"messages": [CHAT[0], {"type": "function_call_output", "call_id": "z", "output": "o"}]},
+     "tool_without_call"),
+])
+def test_dialect_quarantine_reasons(raw, reason):
+    assert _reason(raw) == reason
+
+
+def test_json_layout_is_read_from_content(tmp_path):
+    """Pretty-printed documents whatever the suffix, JSON lines whatever the suffix, a
+    JSON array of records, a bare list of messages on a line, broken files."""
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a_doc.jsonl").write_text(json.dumps({"messages": CHAT}, indent=2))
+    (d / "b_lines.json").write_text("\n".join(json.dumps({"id": f"l{i}", "messages": CHAT})
+                                              for i in range(2)))
+    (d / "c_bare.jsonl").write_text(json.dumps(CHAT) + "\n" + json.dumps(CHAT) + "\n")
+    (d / "d_array.json").write_text(json.dumps([{"id": f"r{i}", "messages": CHAT}
+                                                for i in range(3)], indent=1))
+    (d / "e_broken_first.json").write_text('{"id": \n' + json.dumps({"messages": CHAT}) + "\n")
+    (d / "f_broken_doc.traj.json").write_text('{\n  "messages": [\n')
+    (d / "g_empty.json").write_text("\n")
+    specs, ident = formats.plan_input(str(d), per_shard=4)
+    got = [(w, formats.source_format(raw)) for s in specs for _, w, raw in formats.read_spec(s)]
+    assert got == [
+        ("a_doc.jsonl", "openai"), ("b_lines.json:1", "openai"), ("b_lines.json:2", "openai"),
+        ("c_bare.jsonl:1", "mini-swe-agent"), ("c_bare.jsonl:2", "mini-swe-agent"),
+        ("d_array.json#0", "openai"), ("d_array.json#1", "openai"), ("d_array.json#2", "openai"),
+        ("e_broken_first.json:1", "unreadable"), ("e_broken_first.json:2", "openai"),
+        ("f_broken_doc.traj.json", "unreadable")]
+    assert [k for k, _, _ in ident] == ["traj", "jsonl", "jsonl", "traj", "jsonl", "traj", "jsonl"]
+    assert sum(formats.count_formats(specs).values()) == len(got)
 
 
 # ---------------------------------------------------------------- rendering

@@ -1,0 +1,102 @@
+"""Loading a target model and its tokenizer from the config's `target` section, whatever
+its family (Qwen3, Qwen2, Llama/SmolLM2, Mistral-style HF decoders) and source
+(`dlite.target.sources`), and the target fingerprint every shard manifest, drafter
+artifact and registry version carries (weights + tokenizer + chat template), so
+features from one target are never mixed with another's."""
+
+import hashlib
+from pathlib import Path
+
+from dlite.target import sources
+from dlite.target.gguf import TargetSourceError  # noqa: F401 (what every resolver raises)
+
+# Files that define what the target computes and how text becomes tokens.
+_WEIGHT_GLOBS = ("*.safetensors", "config.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def target_dir(target_cfg) -> Path:
+    return sources.target_dir(target_cfg.path)
+
+
+def tokenizer_dir(target_cfg) -> Path:
+    return sources.tokenizer_dir(target_cfg.path)
+
+
+def _hash_files(h, root: Path, names) -> None:
+    for name in names:
+        for f in sorted(root.glob(name)):
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+
+
+def fingerprint(target_cfg) -> dict:
+    """Content hashes of the weights and the tokenizer (chat template included)."""
+    tdir, kdir = target_dir(target_cfg), tokenizer_dir(target_cfg)
+    if not (tdir / "config.json").exists():
+        raise FileNotFoundError(f"target.path: no config.json under {tdir}")
+    w, t = hashlib.sha256(), hashlib.sha256()
+    _hash_files(w, tdir, _WEIGHT_GLOBS)
+    _hash_files(t, kdir, _TOKENIZER_FILES)
+    weights, tok = w.hexdigest()[:16], t.hexdigest()[:16]
+    return {"name": target_cfg.name, "revision": target_cfg.revision or weights,
+            "weights_sha": weights, "tokenizer_sha": tok, "id": f"{weights}-{tok}"}
+
+
+def torch_dtype(target_cfg):
+    """The experiment's one target dtype (collection, training features, evaluation)."""
+    import torch
+    name = getattr(target_cfg, "dtype", None) or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"target.dtype must be one of {DTYPES}, got {name!r}")
+    return getattr(torch, name)
+
+
+def load_model(target_cfg, dtype=None):
+    """The causal LM in the configured dtype and attention kernel, in eval mode."""
+    from transformers import AutoModelForCausalLM
+    kw = {"attn_implementation": target_cfg.attn_implementation} \
+        if getattr(target_cfg, "attn_implementation", None) else {}
+    model = AutoModelForCausalLM.from_pretrained(target_dir(target_cfg), dtype=dtype or torch_dtype(target_cfg), **kw)
+    return model.eval()
+
+
+def load_tokenizer(target_cfg):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tokenizer_dir(target_cfg))
+
+
+def load(target_cfg, dtype=None):
+    """(model, tokenizer) for the config's target (`target.dtype` unless told otherwise)."""
+    return load_model(target_cfg, dtype), load_tokenizer(target_cfg)
+
+
+def eos_ids(model_or_config, tokenizer) -> tuple:
+    """Every id that ends a turn: the tokenizer's EOS and all the generation config lists
+    (Llama 3 / Qwen chat models stop on several)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = getattr(model_or_config, "generation_config", None)
+    listed = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids.update([listed] if isinstance(listed, int) else (listed or []))
+    return tuple(sorted(int(i) for i in ids))
+
+
+def mask_token_id(model, tokenizer) -> int:
+    """The frozen unused embedding row drafters use for MASK slots: `<|mask|>` when the
+    tokenizer has it (the tiny target), else the first row past the tokenizer's vocab
+    (Qwen3 pads its embedding to 151936 rows for 151669 tokens)."""
+    tid = tokenizer.convert_tokens_to_ids("<|mask|>")
+    if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
+        return tid
+    if len(tokenizer) < model.config.vocab_size:
+        return len(tokenizer)
+    raise ValueError("target has no unused embedding row for MASK; add a <|mask|> token")
+
+
+def shared_vocab(model, tokenizer) -> tuple:
+    """(embed_weight, lm_head_weight, mask_token_id): what every drafter shares, frozen."""
+    return (model.get_input_embeddings().weight.detach(),
+            model.get_output_embeddings().weight.detach(), mask_token_id(model, tokenizer))
