@@ -151,7 +151,7 @@ def how_to_load(report: dict, registered_model: Optional[str]) -> str:
     return ("```python\nfrom omegaconf import OmegaConf\nfrom dlite import target as tgt\n"
             "from dlite.export import load_drafter\n\n"
             f"model, tok = tgt.load(OmegaConf.create({spec!r}))  # the target it was trained for\n"
-            "embed, lm_head, _ = tgt.shared_vocab(model, tok)\n"
+            "embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight\n"
             "drafter = load_drafter(\"path/to/this/dir\", embed, lm_head)\n```\n"
             "Weights are safetensors only; nothing here needs `trust_remote_code`." + reg)
 

@@ -209,7 +209,7 @@ ENUMS = {
     "data.length_policy": {"truncate", "split", "drop"},
     "train.precision": {"fp32", "bf16"},
     "target.dtype": {"float32", "bfloat16", "float16"},
-    "target.attn_implementation": {"sdpa", "eager", "flash_attention_2"},
+    "target.attn_implementation": {"sdpa", "sdpa_packed_gqa", "eager", "flash_attention_2"},
     "cluster.backend": {"gloo", "nccl"},
     "eval.turn_pick": {"first", "spread"},
     "cluster.accelerator": {"cpu", "gpu"},

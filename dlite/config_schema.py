@@ -30,7 +30,8 @@ class TargetConfig:
     revision: Optional[str] = None
     # One dtype for collection, training features and evaluation (recorded, checked).
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
-    attn_implementation: Optional[str] = "sdpa"  # "sdpa" | "eager" | None: transformers' default
+    # "sdpa" | "sdpa_packed_gqa" (dlite.target.attention) | "eager" | None: transformers' default
+    attn_implementation: Optional[str] = "sdpa"
 
 
 @dataclass

@@ -1,7 +1,11 @@
 """The drafter artifact (ARCHITECTURE.md §3): a directory with `config.json`,
 `model.safetensors` and a `README.md` model card, loadable without any training code.
 Weights are safetensors only (never pickle). The target's frozen embedding and lm_head
-are NOT stored: the target supplies them at load time."""
+are NOT stored: the target supplies them at load time. What the drafter owns beyond
+them is: a learned MASK embedding (`vocab.mask_embed`) when the target has no spare
+embedding row, and the draft vocabulary's id map (`vocab.draft_ids`) when it drafts
+over a subset of the target's tokens; config.json says which (`mask_embedding`,
+`draft_vocab_size`)."""
 
 import dataclasses
 import json
@@ -11,7 +15,7 @@ from typing import Dict, Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from dlite.models import build_drafter, param_count
+from dlite.models import LEARNED_MASK, build_drafter, param_count
 from dlite.models.config import DrafterConfig
 
 FORMAT = "dlite-drafter"
@@ -30,6 +34,11 @@ def drafter_config_dict(model, extra_config: dict) -> dict:
                drafter_config=dataclasses.asdict(cfg),
                target_hidden_size=model.target_hidden, vocab_size=model.vocab.embed_weight.shape[0],
                feature_dim=model.feature_dim, mask_token_id=model.vocab.mask_token_id,
+               # "learned": MASK slots use `vocab.mask_embed` from model.safetensors (the
+               # target had no spare row, mask_token_id = -1); "target_row": that frozen row.
+               mask_embedding="learned" if model.vocab.mask_token_id == LEARNED_MASK else "target_row",
+               # N ids in model.safetensors as `vocab.draft_ids` (None: the full vocabulary).
+               draft_vocab_size=cfg.draft_vocab_size,
                num_parameters=param_count(model),
                dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     return out
@@ -45,7 +54,9 @@ def model_card(config: dict, card_sections: Optional[Dict[str, str]] = None) -> 
         f"- architecture: `{config['architecture']}`; gamma: {config['gamma']}",
         f"- target fingerprint: `{config.get('target_fingerprint', 'unknown')}`",
         f"- captured target layers: {config['target_layer_ids']}",
-        f"- trainable parameters: {config['num_parameters']:,} ({config['dtype']})", "",
+        f"- trainable parameters: {config['num_parameters']:,} ({config['dtype']})",
+        f"- MASK: {_mask_line(config)}",
+        f"- draft vocabulary: {_vocab_line(config)}", "",
         "## Not in this directory",
         "The target's token embedding and `lm_head` are shared with the drafter and frozen;",
         "they are **not** stored in `model.safetensors`. Supply them from the target with",
@@ -58,6 +69,20 @@ def model_card(config: dict, card_sections: Optional[Dict[str, str]] = None) -> 
     for title, body in sections.items():
         lines += [f"## {title}", body.rstrip(), ""]
     return "\n".join(lines)
+
+
+def _mask_line(config: dict) -> str:
+    if config.get("mask_embedding") == "learned":
+        return "a learned embedding (`vocab.mask_embed`, the target has no spare row)"
+    return f"the target's unused row {config.get('mask_token_id')}"
+
+
+def _vocab_line(config: dict) -> str:
+    n = config.get("draft_vocab_size")
+    if n is None:
+        return f"the target's full {config.get('vocab_size')} tokens"
+    return (f"{n} of the target's {config.get('vocab_size')} tokens (id map `vocab.draft_ids` in "
+            f"model.safetensors); verification is unchanged, so decoding stays lossless")
 
 
 def save_drafter(model, out_dir, extra_config: dict,
@@ -94,8 +119,16 @@ def load_drafter(path, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor)
         raise ValueError(f"target embedding/lm_head {tuple(embed_weight.shape)}/"
                          f"{tuple(lm_head_weight.shape)} do not match the drafter's {want}")
     cfg = _drafter_cfg(config["drafter_config"])
-    with torch.device("meta"):  # no throw-away random init: every weight is assigned below
-        model = build_drafter(cfg, embed_weight, lm_head_weight, config["mask_token_id"])
     state = load_file(str(path / "model.safetensors"), device=str(embed_weight.device))
+    draft_ids = state.get("vocab.draft_ids")  # built into the model: it slices the lm_head
+    n = None if draft_ids is None else draft_ids.numel()
+    if n != config.get("draft_vocab_size") or n != cfg.draft_vocab_size:
+        raise ValueError(f"{path}: config.json says draft_vocab_size={config.get('draft_vocab_size')} "
+                         f"but model.safetensors holds {n or 'no'} draft vocabulary ids")
+    if (config.get("mask_embedding") == "learned") != ("vocab.mask_embed" in state):
+        raise ValueError(f"{path}: mask_embedding={config.get('mask_embedding')!r} disagrees with "
+                         f"model.safetensors")
+    with torch.device("meta"):  # no throw-away random init: every weight is assigned below
+        model = build_drafter(cfg, embed_weight, lm_head_weight, config["mask_token_id"], draft_ids)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -58,31 +58,36 @@ def ref_probs_from_topk(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, voc
 
 def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
                p_ref: torch.Tensor, ce_weight: float = 0.1, l1_weight: float = 0.9,
-               decay: float = 4.0):
+               decay: float = 4.0, ce_valid: Optional[torch.Tensor] = None):
     """loss = sum_k w_k (ce_w * CE(logits_k, x*_k) + l1_w * |softmax(logits_k) - p_ref_k|_1)
     / sum_k w_k, over valid slots only (a weighted mean: invalid slots drop out of both
     sums, so a block cut short by the sequence end still counts its early slots).
 
     logits [..., g, V], targets/valid [..., g], p_ref [..., g, V] (probabilities).
+    `ce_valid` [..., g] (default `valid`) limits the CE term to slots whose data token the
+    drafter can emit: with a draft vocabulary a token outside it has no logit (targets
+    -1 there), so it is not learnable; the L1 term still counts on every valid slot.
     Returns (loss, metrics) with per-slot loss / CE / L1 / accuracy and the teacher-forced
     acceptance estimate sum_x min(p_draft, p_ref) per slot, and tau_est from it."""
     g = logits.shape[-2]
     logits = logits.reshape(-1, g, logits.shape[-1]).float()
     p_ref = p_ref.reshape(-1, g, p_ref.shape[-1])
     targets, valid = targets.reshape(-1, g), valid.reshape(-1, g).float()
+    ce_on = valid if ce_valid is None else ce_valid.reshape(-1, g).float() * valid
     logp = torch.log_softmax(logits, -1)
-    ce = -logp.gather(-1, targets.long().clamp_min(0)[..., None])[..., 0]
+    ce = -logp.gather(-1, targets.long().clamp_min(0)[..., None])[..., 0] * ce_on
     p = logp.exp()
     l1 = (p - p_ref.float()).abs().sum(-1)
     per_slot = ce_weight * ce + l1_weight * l1                       # [N, g]
     w = position_weights(g, decay, logits.device)[None] * valid
     loss = (per_slot * w).sum() / w.sum().clamp_min(1e-12)
-    return loss, _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid)
+    return loss, _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid, ce_on)
 
 
 @torch.no_grad()
-def _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid) -> dict:
-    """Per-slot means over valid slots, as Python floats ready to log."""
+def _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid, ce_on) -> dict:
+    """Per-slot means over valid slots (CE: over `ce_on` slots), as Python floats ready
+    to log. An unlearnable target (-1) never counts as correct in `acc_at_k`."""
     n = valid.sum(0).clamp_min(1)
     slot = lambda t: ((t.float() * valid).sum(0) / n).tolist()
     accept = slot(torch.minimum(p, p_ref.float()).sum(-1))
@@ -91,9 +96,11 @@ def _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid) -> dict:
         run *= a
         tau += run
     nv = valid.sum().clamp_min(1)
-    return {"loss": loss.item(), "ce": ((ce * valid).sum() / nv).item(),
+    n_ce = ce_on.sum(0).clamp_min(1)
+    return {"loss": loss.item(), "ce": ((ce * ce_on).sum() / ce_on.sum().clamp_min(1)).item(),
             "l1": ((l1 * valid).sum() / nv).item(), "loss_at_k": slot(per_slot),
-            "ce_at_k": slot(ce), "acc_at_k": slot(logits.argmax(-1) == targets),
+            "ce_at_k": ((ce * ce_on).sum(0) / n_ce).tolist(),
+            "acc_at_k": slot(logits.argmax(-1) == targets),
             "accept_est_at_k": accept, "tau_est": tau, "valid_slots": int(valid.sum().item()),
             "valid_blocks": int((valid.sum(-1) > 0).sum().item())}
 

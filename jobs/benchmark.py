@@ -27,20 +27,20 @@ from pathlib import Path
 from jobs.cli import parse_args
 
 
-def _target_dims(cfg) -> tuple[int, int]:
-    """(hidden size, vocab size) of the configured target, from its config.json only."""
+def draft_cost(cfg, args) -> dict:
+    # Random-weight drafters and a random-weight target of the configured target's
+    # shape (its config.json only): draft round vs one target decode step per context,
+    # for the full vocabulary and each of --draft-vocab-sizes.
+    from omegaconf import OmegaConf
     from transformers import AutoConfig
+    from dlite.bench.draft_cost import run
     from dlite.target import target_dir
     tc = AutoConfig.from_pretrained(target_dir(cfg.target))
-    return tc.hidden_size, tc.vocab_size
-
-
-def draft_cost(cfg, args) -> dict:
-    from omegaconf import OmegaConf
-    from dlite.bench.draft_cost import run
-    hidden, vocab = _target_dims(cfg)
-    report = run(OmegaConf.to_object(cfg.drafter), hidden, vocab,
-                 context_lengths=args.context_lengths, rounds=args.rounds, threads=args.threads)
+    limit = getattr(tc, "max_position_embeddings", None) or max(args.context_lengths)
+    report = run(OmegaConf.to_object(cfg.drafter), tc.hidden_size, tc.vocab_size,
+                 context_lengths=[L for L in args.context_lengths if L + 16 <= limit] or [limit // 2],
+                 rounds=args.rounds, threads=args.threads, target_config=tc,
+                 draft_vocab_sizes=[n for n in args.draft_vocab_sizes if n < tc.vocab_size])
     report["config"]["run"] = OmegaConf.to_container(cfg, resolve=True)
     return report
 
@@ -106,6 +106,8 @@ def main(argv=None) -> int:
         p.add_argument("--rounds", type=int, default=20)
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--context-lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+        p.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[4096, 8192, 16384],
+                       help="draft_cost: draft vocabularies to time beside the full one")
         p.add_argument("--work-dir", default=None, help="train: keep shards, runs, MLflow store here")
         p.add_argument("--budget", type=int, default=200,
                        help="quality: optimiser steps per method (DLite: half teacher, half align)")

@@ -7,7 +7,14 @@ and timed in the same process, interleaved round by round and across context len
 first prefilled with L positions (not timed); each timed round then extends it with
 `new_per_round` verified positions and drafts one block -- the work a real round does.
 Also reports the trainable parameter counts of the Qwen3-4B/8B-shaped DLite configs,
-computed on the meta device."""
+computed on the meta device.
+
+Draft vocabulary (issue 20): with `draft_vocab_sizes` both drafters are also timed
+projecting onto N of the V tokens (`dlite@N`, `dspark@N`); with `target_config` (an HF
+config) one plain decode step of a random-weight target of those dimensions is timed
+at the same context lengths, interleaved with the drafts, and `draft_over_target` is
+the ratio. `traffic_arithmetic` adds the bytes a round reads for Qwen3-4B/8B: plain
+arithmetic from published shapes, not a measurement."""
 
 import dataclasses
 import json
@@ -41,7 +48,8 @@ def param_counts(config_dir=CONFIG_DIR) -> dict:
         cfg = load_drafter_yaml(Path(config_dir) / f"{name}.yaml")
         with torch.device("meta"):
             vocab_w = torch.empty(vocab, hidden)
-            n = param_count(build_drafter(cfg, vocab_w, vocab_w, vocab - 1))
+            ids = torch.arange(cfg.draft_vocab_size, device="cpu") if cfg.draft_vocab_size else None
+            n = param_count(build_drafter(cfg, vocab_w, vocab_w, vocab - 1, draft_vocab=ids))
         out[name] = {"trainable_params": n, "billions": round(n / 1e9, 3), "published": published}
     return out
 
@@ -56,34 +64,70 @@ def _timed(fn, device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _models(drafter_cfg, target_hidden, vocab, device, dtype):
+def _models(drafter_cfg, target_hidden, vocab, device, dtype, draft_vocab_sizes=()):
+    """Random-weight drafters, keyed `arch` (full vocabulary) and `arch@N` (N of V ids:
+    which ids does not change the cost, so the lowest N)."""
     gen = torch.Generator().manual_seed(0)
     embed = (torch.randn(vocab, target_hidden, generator=gen) * 0.02).to(device, dtype)
     lm_head = (torch.randn(vocab, target_hidden, generator=gen) * 0.02).to(device, dtype)
-    return {arch: build_drafter(dataclasses.replace(drafter_cfg, arch=arch), embed, lm_head,
-                                vocab - 1).to(device, dtype).eval()
-            for arch in ("dlite", "dspark")}
+    out = {}
+    for n in (None, *draft_vocab_sizes):
+        for arch in ("dlite", "dspark"):
+            cfg = dataclasses.replace(drafter_cfg, arch=arch, draft_vocab_size=n)
+            ids = None if n is None else torch.arange(n, device=device)
+            out[arch if n is None else f"{arch}@{n}"] = build_drafter(
+                cfg, embed, lm_head, vocab - 1, ids).to(device, dtype).eval()
+    return out
+
+
+class _TargetStep:
+    """One plain decode step of a random-weight target at context L: prefilled once
+    (not timed); each timed step decodes one token and crops the cache back to L, so
+    every step sees the same context length."""
+
+    def __init__(self, target_config, lengths, device, dtype):
+        from transformers import AutoModelForCausalLM
+        from dlite.decoding.decode import new_cache, target_forward
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_config(target_config).to(device, dtype).eval()
+        self.forward, self.caches, self.dev = target_forward, {}, device
+        V = target_config.vocab_size
+        with torch.no_grad():
+            for L in lengths:
+                self.caches[L] = new_cache(self.model)
+                target_forward(self.model, torch.randint(0, V, (L,), device=device), 0,
+                               self.caches[L], logits_to_keep=1)
+
+    @torch.no_grad()
+    def step(self, L: int) -> None:
+        from dlite.decoding.decode import crop_cache
+        self.forward(self.model, torch.tensor([1], device=self.dev), L, self.caches[L])
+        crop_cache(self.caches[L], L)
 
 
 def run(drafter_cfg: DrafterConfig, target_hidden: int, vocab: int,
         context_lengths=(256, 1024, 4096, 16384), rounds: int = 20, warmup: int = 3,
         new_per_round: int = 4, device: str = "cpu", dtype=torch.float32,
-        threads: int = None) -> dict:
-    """Median per-round draft_ms and cache bytes per request, per model and length.
+        threads: int = None, draft_vocab_sizes=(), target_config=None) -> dict:
+    """Median per-round draft_ms and cache bytes per request, per model and length
+    (plus `target_step_ms` and `draft_over_target` when `target_config` is given).
     `threads` pins torch's CPU threads: on a shared machine one thread is the stable
     choice (spinning OpenMP workers on busy cores inflate tiny ops 5-10x)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        return _run(drafter_cfg, target_hidden, vocab, tuple(context_lengths), rounds, warmup,
-                    new_per_round, torch.device(device), dtype)
+        dev = torch.device(device)
+        models = _models(drafter_cfg, target_hidden, vocab, dev, dtype,
+                         tuple(n for n in draft_vocab_sizes if n and n < vocab))
+        target = _TargetStep(target_config, context_lengths, dev, dtype) if target_config else None
+        return _run(models, target, drafter_cfg, target_hidden, vocab, tuple(context_lengths),
+                    rounds, warmup, new_per_round, dev, dtype)
     finally:
         torch.set_num_threads(before)
 
 
-def _run(drafter_cfg, target_hidden, vocab, context_lengths, rounds, warmup, new_per_round,
-         dev, dtype) -> dict:
-    models = _models(drafter_cfg, target_hidden, vocab, dev, dtype)
+def _run(models, target, drafter_cfg, target_hidden, vocab, context_lengths, rounds, warmup,
+         new_per_round, dev, dtype) -> dict:
     fdim = len(drafter_cfg.target_layer_ids) * target_hidden
     state, pos = {}, {}
     with torch.no_grad():
@@ -93,7 +137,7 @@ def _run(drafter_cfg, target_hidden, vocab, context_lengths, rounds, warmup, new
             for a, m in models.items():
                 _, _, state[L][a] = m.draft(state[L][a], prompt, 1, L, 0.0)
             pos[L] = L
-    times = {a: {L: [] for L in context_lengths} for a in models}
+    times = {a: {L: [] for L in context_lengths} for a in (*models, *(["target"] if target else []))}
     n = len(context_lengths)
     for r in range(warmup + rounds):
         # Rotate the length order and alternate the model order every round so no
@@ -108,6 +152,10 @@ def _run(drafter_cfg, target_hidden, vocab, context_lengths, rounds, warmup, new
                 ms = _timed(one, dev)
                 if r >= warmup:
                     times[a][L].append(ms)
+            if target is not None:
+                ms = _timed(lambda: target.step(L), dev)
+                if r >= warmup:
+                    times["target"][L].append(ms)
     return _report(models, state, times, context_lengths, drafter_cfg, target_hidden, vocab,
                    rounds, new_per_round, dev, dtype)
 
@@ -115,6 +163,11 @@ def _run(drafter_cfg, target_hidden, vocab, context_lengths, rounds, warmup, new
 def _report(models, state, times, lengths, cfg, target_hidden, vocab, rounds, new_per_round,
             dev, dtype) -> dict:
     ms = {a: {str(L): round(statistics.median(times[a][L]), 4) for L in lengths} for a in models}
+    extra = {}
+    if "target" in times:
+        step = {str(L): round(statistics.median(times["target"][L]), 4) for L in lengths}
+        extra = {"target_step_ms": step, "draft_over_target": {
+            a: {L: round(ms[a][L] / step[L], 3) for L in step} for a in models}}
     cache = {a: {str(L): models[a].cache_bytes(state[L][a]) for L in lengths} for a in models}
     lo, hi = str(lengths[0]), str(lengths[-1])
     ratio = {a: round(ms[a][hi] / ms[a][lo], 3) for a in models}
@@ -123,7 +176,8 @@ def _report(models, state, times, lengths, cfg, target_hidden, vocab, rounds, ne
               "dspark_ms_grows": ratio["dspark"] > 1.0,
               "dspark_cache_grows": cache["dspark"][hi] > cache["dspark"][lo]}
     return {"draft_ms": ms, "draft_cache_bytes": cache, "draft_ms_ratio_last_over_first": ratio,
-            "checks": checks, "param_counts": param_counts(),
+            **extra, "checks": checks, "param_counts": param_counts(),
+            "traffic_arithmetic": traffic_arithmetic(),
             "config": {"drafter": dataclasses.asdict(cfg), "target_hidden": target_hidden,
                        "vocab": vocab, "context_lengths": list(lengths), "rounds": rounds,
                        "new_per_round": new_per_round, "dtype": str(dtype)},
@@ -131,6 +185,30 @@ def _report(models, state, times, lengths, cfg, target_hidden, vocab, rounds, ne
                     "device": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
                                else platform.processor() or "cpu"),
                     "threads": torch.get_num_threads()}}
+
+
+# Published Qwen3 shapes: (target parameters, hidden, vocabulary, KV bytes per token in
+# bf16 = layers x 2 x kv_heads x head_dim x 2). Qwen3-4B ties its embeddings.
+QWEN3 = {"qwen3_4b": (4.02e9, 2560, 151936, 36 * 2 * 8 * 128 * 2),
+         "qwen3_8b": (8.19e9, 4096, 151936, 36 * 2 * 8 * 128 * 2)}
+
+
+def traffic_arithmetic(gamma: int = 7, sizes=(16384, 32768), context: int = 32768) -> dict:
+    """Bytes read per round in bf16 decoding (memory-bound): one target step (weights +
+    its KV cache at `context`) vs one DLite round (drafter weights once + gamma
+    sequential projections onto N lm_head rows), full vs draft vocabulary. ARITHMETIC
+    from published shapes, not a measurement: it ignores activations, the small
+    embedding reads and caches, which is why it is an estimate of the floor."""
+    drafter = param_counts()
+    out = {"kind": "arithmetic, not measured", "dtype": "bf16", "gamma": gamma, "context": context}
+    for name, (params, hidden, vocab, kv_per_token) in QWEN3.items():
+        target = params * 2 + kv_per_token * context
+        weights = drafter[f"dlite_{name}"]["trainable_params"] * 2
+        rounds = {str(n or vocab): weights + gamma * (n or vocab) * hidden * 2 for n in (None, *sizes)}
+        out[name] = {"target_step_bytes": int(target), "dlite_weights_bytes": int(weights),
+                     "dlite_round_bytes": {k: int(v) for k, v in rounds.items()},
+                     "dlite_round_over_target_step": {k: round(v / target, 3) for k, v in rounds.items()}}
+    return out
 
 
 def main(out_path, drafter_cfg: DrafterConfig = None, target_hidden: int = 256, vocab: int = 2048,

@@ -3,7 +3,7 @@ DSpark-style baseline, picked by `DrafterConfig.arch` from one table."""
 
 import torch
 
-from dlite.models.common import Drafter, param_count
+from dlite.models.common import LEARNED_MASK, Drafter, param_count
 from dlite.models.config import DrafterConfig
 from dlite.models.drafter import DLiteDrafter
 from dlite.models.dspark import DSparkDrafter
@@ -13,12 +13,15 @@ ARCHS = {"dlite": DLiteDrafter, "teacher": HistoryTeacher, "dspark": DSparkDraft
 
 
 def build_drafter(cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                  mask_token_id: int):
-    """Build the model named by cfg.arch around the target's frozen embedding / lm_head."""
+                  mask_token_id: int, draft_vocab=None):
+    """Build the model named by cfg.arch around the target's frozen embedding / lm_head.
+    `mask_token_id` = LEARNED_MASK when the target has no spare row for MASK;
+    `draft_vocab` = the sorted target ids of the draft vocabulary (cfg.draft_vocab_size
+    of them), or None for the full vocabulary."""
     if cfg.arch not in ARCHS:
         raise ValueError(f"drafter.arch must be one of {sorted(ARCHS)}, got {cfg.arch!r}")
-    return ARCHS[cfg.arch](cfg, embed_weight, lm_head_weight, mask_token_id)
+    return ARCHS[cfg.arch](cfg, embed_weight, lm_head_weight, mask_token_id, draft_vocab)
 
 
-__all__ = ["ARCHS", "DLiteDrafter", "DSparkDrafter", "Drafter", "DrafterConfig", "HistoryTeacher",
+__all__ = ["ARCHS", "LEARNED_MASK", "DLiteDrafter", "DSparkDrafter", "Drafter", "DrafterConfig", "HistoryTeacher",
            "build_drafter", "init_student_from_teacher", "param_count"]

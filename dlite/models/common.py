@@ -15,10 +15,12 @@ class Drafter(Protocol):
 
     `draft` gets the features of the positions verified since the previous call (the
     whole prompt on the first call); the last row is position `anchor_pos - 1`. It
-    returns gamma tokens, their draft distributions [gamma, V] (after temperature;
-    at T=0 the T=1 softmax with argmax tokens) and the new state. `forward_train`
-    takes the batch described in `block_layout` and returns teacher-forced logits
-    [B, A, gamma, V] ([A, gamma, V] for one unbatched sequence)."""
+    returns gamma tokens (target ids), their draft distributions [gamma, V] over the
+    target's vocabulary -- at T > 0 the distributions the tokens were drawn from; at
+    T = 0 None is allowed (greedy verification never reads them) -- and the new state.
+    `forward_train` takes the batch described in `block_layout` and returns
+    teacher-forced logits [B, A, gamma, N] ([A, gamma, N] for one unbatched sequence)
+    over the drafter's vocabulary (`vocab.size`: N = the draft vocabulary, else V)."""
 
     gamma: int
     target_layer_ids: List[int]
@@ -31,34 +33,110 @@ class Drafter(Protocol):
     def forward_train(self, batch: dict) -> torch.Tensor: ...
 
 
+# `mask_token_id` when the target has no spare embedding row (SmolLM2: 49152 tokens in
+# 49152 rows): the drafter then owns a learned MASK embedding (`FrozenVocab.mask_embed`).
+LEARNED_MASK = -1
+
+
 class FrozenVocab(nn.Module):
     """The target's token embedding and lm_head, shared and frozen: non-persistent
-    buffers, so they never train and are never written into a drafter checkpoint."""
+    buffers, so they never train and are never written into a drafter checkpoint.
 
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, mask_token_id: int):
+    MASK: a frozen unused target row when there is one (`mask_token_id` >= 0), else
+    (`LEARNED_MASK`) a trainable `mask_embed` of the embedding width, initialised to
+    the mean embedding row (an "average token" of the right scale) and saved with the
+    drafter. Block ids carry `mask_token_id` in MASK slots either way, so training,
+    drafting and export share one code path (`embed`).
+
+    Draft vocabulary (`draft_vocab`: sorted target ids, or None = the full vocabulary):
+    the drafter's logits are over those N ids only; the lm_head rows are sliced once
+    (`out_weight` [N, H]) and the id map is a persistent buffer (`draft_ids`), saved
+    in model.safetensors. `to_target` / `to_draft` map between the two id spaces."""
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, mask_token_id: int,
+                 draft_vocab: Optional[torch.Tensor] = None):
         super().__init__()
         if embed_weight.shape != lm_head_weight.shape:
             raise ValueError(f"embed {tuple(embed_weight.shape)} != "
                              f"lm_head {tuple(lm_head_weight.shape)}")
-        if not 0 <= mask_token_id < embed_weight.shape[0]:
-            raise ValueError(f"mask_token_id {mask_token_id} outside vocab {embed_weight.shape[0]}")
+        V = embed_weight.shape[0]
+        if mask_token_id != LEARNED_MASK and not 0 <= mask_token_id < V:
+            raise ValueError(f"mask_token_id {mask_token_id} outside vocab {V} "
+                             f"(use {LEARNED_MASK} for a learned MASK embedding)")
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
         self.mask_token_id = mask_token_id
+        if mask_token_id == LEARNED_MASK:  # mean in fp32 without a full fp32 copy of the matrix
+            init = embed_weight.detach().mean(0, dtype=torch.float32).to(embed_weight.dtype)
+            self.mask_embed = nn.Parameter(init)
+        ids = None if draft_vocab is None else _check_draft_ids(draft_vocab, V, embed_weight.device)
+        self.register_buffer("draft_ids", ids)  # persistent: the artifact's id map
+        self.register_buffer("draft_lm_head", None if ids is None else
+                             lm_head_weight.detach().index_select(0, ids), persistent=False)
+        self.register_buffer("draft_index", None if ids is None else torch.full(
+            (V,), -1, dtype=torch.long, device=ids.device).index_copy_(
+                0, ids, torch.arange(len(ids), device=ids.device)), persistent=False)
+
+    @property
+    def size(self) -> int:
+        """Width of the drafter's logits: N with a draft vocabulary, else the target's V."""
+        return self.embed_weight.shape[0] if self.draft_ids is None else self.draft_ids.shape[0]
+
+    @property
+    def out_weight(self) -> torch.Tensor:
+        """The output projection [size, H]: the lm_head, or its draft-vocabulary rows."""
+        return self.lm_head_weight if self.draft_ids is None else self.draft_lm_head
 
     def embed(self, ids):
-        return F.embedding(ids, self.embed_weight)
+        """Target embedding of target ids; MASK slots (`LEARNED_MASK`) get `mask_embed`."""
+        if self.mask_token_id != LEARNED_MASK:
+            return F.embedding(ids, self.embed_weight)
+        e = F.embedding(ids.clamp_min(0), self.embed_weight)
+        return torch.where((ids == LEARNED_MASK)[..., None], self.mask_embed.to(e.dtype), e)
+
+    def to_target(self, idx):
+        """Draft-vocabulary indices -> target ids (identity without a draft vocabulary)."""
+        return idx if self.draft_ids is None else self.draft_ids[idx]
+
+    def to_draft(self, ids):
+        """Target ids -> draft-vocabulary indices, -1 for ids outside it."""
+        return ids if self.draft_ids is None else self.draft_index[ids]
+
+    def to_full(self, probs):
+        """Probabilities over the draft vocabulary [..., N] -> over the target's [..., V],
+        zero outside: what verification compares with the target's p."""
+        if self.draft_ids is None:
+            return probs
+        out = probs.new_zeros(*probs.shape[:-1], self.embed_weight.shape[0])
+        return out.index_copy_(-1, self.draft_ids, probs)
+
+
+def _check_draft_ids(draft_vocab, V: int, device) -> torch.Tensor:
+    ids = torch.as_tensor(draft_vocab, dtype=torch.long, device=device).reshape(-1)
+    if ids.device.type == "meta":  # a shapes-only build (parameter counts): nothing to check
+        return ids
+    if ids.numel() < 1 or int(ids.min()) < 0 or int(ids.max()) >= V:
+        raise ValueError(f"draft vocabulary: {ids.numel()} ids must lie in 0..{V - 1}")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("draft vocabulary: ids must be sorted and distinct")
+    return ids
 
 
 def attach_target(model: nn.Module, cfg, embed_weight: torch.Tensor,
-                  lm_head_weight: torch.Tensor, mask_token_id: int) -> None:
+                  lm_head_weight: torch.Tensor, mask_token_id: int,
+                  draft_vocab: Optional[torch.Tensor] = None) -> None:
     """What every drafter architecture records about its target: gamma, the captured
-    layers, the frozen shared vocabulary and the context-feature width."""
+    layers, the frozen shared vocabulary (MASK, draft vocabulary) and the context-feature
+    width. `cfg.draft_vocab_size` must match the ids given (None: none given)."""
     if cfg.gamma < 2:
         raise ValueError(f"drafter.gamma must be >= 2, got {cfg.gamma}")
+    n = None if draft_vocab is None else len(draft_vocab)
+    if n != cfg.draft_vocab_size:
+        raise ValueError(f"drafter.draft_vocab_size={cfg.draft_vocab_size} but "
+                         f"{'no' if n is None else n} draft vocabulary ids were given")
     model.cfg, model.gamma = cfg, cfg.gamma
     model.target_layer_ids = list(cfg.target_layer_ids)
-    model.vocab = FrozenVocab(embed_weight, lm_head_weight, mask_token_id)
+    model.vocab = FrozenVocab(embed_weight, lm_head_weight, mask_token_id, draft_vocab)
     model.target_hidden = embed_weight.shape[1]
     model.feature_dim = len(cfg.target_layer_ids) * model.target_hidden
 
@@ -146,21 +224,27 @@ def block_layout(batch: dict, gamma: int, mask_token_id: int) -> dict:
 # ---------------------------------------------------------------- inference
 
 
-def sample_block(step, gamma: int, anchor_id: int, temperature: float, device,
+def sample_block(step, gamma: int, anchor_id: int, temperature: float, device, vocab: FrozenVocab,
                  generator: Optional[torch.Generator] = None):
-    """Walk the block left to right: step(k, prev_token [1], state) -> (logits [V], state).
-    Tokens stay on device (no host sync per slot). T=0: argmax, probs at T=1."""
+    """Walk the block left to right: step(k, prev_token [1] (a target id), state) ->
+    (logits [N], state) over the drafter's vocabulary. Tokens stay on device (no host
+    sync per slot) and come back as target ids.
+
+    T = 0: argmax of the logits, no softmax anywhere (nothing reads probabilities under
+    greedy verification), probs = None. T > 0: each token is drawn from softmax(logits/T)
+    over the draft vocabulary, and exactly that distribution is returned, spread over
+    the target's vocabulary with zeros outside (`vocab.to_full`) -- the q the
+    rejection rule needs to stay exact."""
     prev = torch.tensor([anchor_id], device=device)
     tokens, probs, state = [], [], None
     for k in range(gamma):
         logits, state = step(k, prev, state)
-        logits = logits.float()
         if temperature > 0:
-            p = torch.softmax(logits / temperature, dim=-1)
-            prev = torch.multinomial(p, 1, generator=generator)
+            p = torch.softmax(logits.float() / temperature, dim=-1)
+            idx = torch.multinomial(p, 1, generator=generator)
+            probs.append(p)
         else:
-            p = torch.softmax(logits, dim=-1)
-            prev = logits.argmax(-1, keepdim=True)
+            idx = logits.argmax(-1, keepdim=True)
+        prev = vocab.to_target(idx)
         tokens.append(prev)
-        probs.append(p)
-    return torch.cat(tokens), torch.stack(probs)
+    return torch.cat(tokens), (vocab.to_full(torch.stack(probs)) if probs else None)

@@ -3,7 +3,7 @@ the DSpark-style baseline, so a student can be built from a teacher's config and
 run config (`dlite.config`) embeds it unchanged as its `drafter` section."""
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 
 @dataclass
@@ -33,3 +33,7 @@ class DrafterConfig:
     head_hidden: int = 256
     # DSpark-style baseline only: rank of the logit-space Markov head.
     markov_rank: int = 64
+    # Draft vocabulary: project onto these N most useful target tokens instead of the
+    # whole vocabulary (ids chosen from the training data by
+    # `dlite.data.draft_vocab.build_draft_vocab`, kept with the artifact). None: all V.
+    draft_vocab_size: Optional[int] = None

@@ -21,9 +21,9 @@ class DLiteDrafter(nn.Module):
     needs_history = False
 
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, mask_token_id: int):
+                 lm_head_weight: torch.Tensor, mask_token_id: int, draft_vocab=None):
         super().__init__()
-        build_student_parts(self, cfg, embed_weight, lm_head_weight, mask_token_id)
+        build_student_parts(self, cfg, embed_weight, lm_head_weight, mask_token_id, draft_vocab)
         init_weights(self)
 
     def _context(self, c, ctx_pos, x):
@@ -33,7 +33,7 @@ class DLiteDrafter(nn.Module):
         return x, StaticMemory(self.backbone.memory_kv(c[:, None], ctx_pos))
 
     def forward_train(self, batch: dict) -> torch.Tensor:
-        """Teacher-forced logits [B, A, g, V] (or [A, g, V] for one sequence)."""
+        """Teacher-forced logits [B, A, g, N] (or [A, g, N] for one sequence)."""
         batch, single = as_batched(batch)
         lay = block_layout(batch, self.gamma, self.vocab.mask_token_id)
         B, A, g = lay["block_ids"].shape

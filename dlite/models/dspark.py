@@ -2,7 +2,8 @@
 injection -- the projected target features of every verified position become
 keys/values of every layer, kept in a drafter-side cache that grows with the context
 -- and a logit-space Markov head of rank r:
-    logits_k = lm_head(norm(h_k)) + W2 · silu(W1 · e(x_{k-1}))   (W1: H_t->r, W2: r->V).
+    logits_k = lm_head(norm(h_k)) + W2 · silu(W1 · e(x_{k-1}))   (W1: H_t->r, W2: r->N),
+N = the draft vocabulary when one is configured (else the target's V), as for DLite.
 There is no single context feature: the last position reaches the block as history."""
 
 from typing import Optional
@@ -35,13 +36,13 @@ class DSparkDrafter(nn.Module):
     needs_history = True
 
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, mask_token_id: int):
+                 lm_head_weight: torch.Tensor, mask_token_id: int, draft_vocab=None):
         super().__init__()
-        attach_target(self, cfg, embed_weight, lm_head_weight, mask_token_id)
+        attach_target(self, cfg, embed_weight, lm_head_weight, mask_token_id, draft_vocab)
         self.hist_proj = nn.Linear(self.feature_dim, cfg.hidden_size, bias=False)
         self.hist_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.backbone = Backbone(cfg, self.target_hidden)
-        self.markov = MarkovHead(self.target_hidden, cfg.markov_rank, embed_weight.shape[0])
+        self.markov = MarkovHead(self.target_hidden, cfg.markov_rank, self.vocab.size)
         init_weights(self)
 
     def forward_train(self, batch: dict) -> torch.Tensor:
@@ -53,7 +54,7 @@ class DSparkDrafter(nn.Module):
         mem = StaticMemory(packed_history_kv(self, batch))
         x = embed_in(self, lay["block_ids"].reshape(B, A * g))
         h = self.backbone(x, lay["block_pos"].reshape(B, A * g), mem, packed_block_mask(batch, g, 0))
-        logits = self.backbone.logits(h, self.vocab.lm_head_weight).view(B, A, g, -1)
+        logits = self.backbone.logits(h, self.vocab.out_weight).view(B, A, g, -1)
         logits = logits + self.markov(self.vocab.embed(lay["prev_ids"]))
         return logits[0] if single else logits
 
@@ -69,11 +70,12 @@ class DSparkDrafter(nn.Module):
         feats = new_features.reshape(-1, self.feature_dim)
         extend_history(self, state, feats, anchor_pos)
         x, pos = block_inputs(self, anchor_id, anchor_pos, feats.device)
-        base = self.backbone.logits(self.backbone(x, pos, state), self.vocab.lm_head_weight)[0]
+        base = self.backbone.logits(self.backbone(x, pos, state), self.vocab.out_weight)[0]
 
         def step(k, prev, _):
             return base[k] + self.markov(self.vocab.embed(prev))[0], None
-        tokens, probs = sample_block(step, self.gamma, anchor_id, temperature, feats.device, generator)
+        tokens, probs = sample_block(step, self.gamma, anchor_id, temperature, feats.device,
+                                     self.vocab, generator)
         return tokens, probs, state
 
     def cache_bytes(self, state: Optional[HistoryCache]) -> int:

@@ -85,14 +85,14 @@ HEADS = {"gru": GRUHead, "attn": AttnHead, "none": NoHead}
 
 
 def build_student_parts(model: nn.Module, cfg: DrafterConfig, embed_weight, lm_head_weight,
-                        mask_token_id: int):
+                        mask_token_id: int, draft_vocab=None):
     """Attach the parts DLite and the teacher share (same names => same state_dict keys)."""
     if cfg.context_injection not in ("kv", "add"):
         raise ValueError(f"drafter.context_injection must be 'kv' or 'add', "
                          f"got {cfg.context_injection!r}")
     if cfg.head not in HEADS:
         raise ValueError(f"drafter.head must be one of {sorted(HEADS)}, got {cfg.head!r}")
-    attach_target(model, cfg, embed_weight, lm_head_weight, mask_token_id)
+    attach_target(model, cfg, embed_weight, lm_head_weight, mask_token_id, draft_vocab)
     model.ctx_proj = nn.Linear(model.feature_dim, cfg.hidden_size, bias=False)
     model.ctx_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     model.backbone = Backbone(cfg, model.target_hidden)
@@ -105,13 +105,14 @@ def context_states(model, feats):
 
 
 def head_logits(model, h, prev_ids):
-    """Teacher-forced sequential head over a block: h [N, g, hid], prev_ids [N, g]."""
-    return model.backbone.logits(model.head(h, embed_in(model, prev_ids)), model.vocab.lm_head_weight)
+    """Teacher-forced sequential head over a block: h [n, g, hid], prev_ids [n, g] ->
+    logits [n, g, N] over the drafter's vocabulary."""
+    return model.backbone.logits(model.head(h, embed_in(model, prev_ids)), model.vocab.out_weight)
 
 
 def draft_tokens(model, h, anchor_id: int, temperature: float, generator=None):
     """Run the sequential head over the block's h [1, g, hid], choosing as it goes."""
     def step(k, prev, state):
         hk, state = model.head.step(h[:, k], embed_in(model, prev), state)
-        return model.backbone.logits(hk, model.vocab.lm_head_weight)[0], state
-    return sample_block(step, model.gamma, anchor_id, temperature, h.device, generator)
+        return model.backbone.logits(hk, model.vocab.out_weight)[0], state
+    return sample_block(step, model.gamma, anchor_id, temperature, h.device, model.vocab, generator)

@@ -22,9 +22,9 @@ class HistoryTeacher(nn.Module):
     needs_history = True
 
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, mask_token_id: int):
+                 lm_head_weight: torch.Tensor, mask_token_id: int, draft_vocab=None):
         super().__init__()
-        build_student_parts(self, cfg, embed_weight, lm_head_weight, mask_token_id)
+        build_student_parts(self, cfg, embed_weight, lm_head_weight, mask_token_id, draft_vocab)
         self.hist_proj = nn.Linear(self.feature_dim, cfg.hidden_size, bias=False)
         self.hist_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         init_weights(self)
@@ -80,7 +80,11 @@ class HistoryTeacher(nn.Module):
 def init_student_from_teacher(student: nn.Module, teacher: nn.Module, strict: bool = True) -> dict:
     """Copy every teacher weight the student also has (same name and shape). Returns
     copied / skipped (teacher-only: the history path, or a shape mismatch) / missing
-    (student weights left at their init); strict refuses a partial init, before copying."""
+    (student weights left at their init); strict refuses a partial init, before copying.
+    The MASK mode and draft vocabulary must agree: the learned `vocab.mask_embed` is a
+    shared weight and is copied, but the student's sliced lm_head was built from its own
+    draft ids, so copying different ids over them would leave it stale."""
+    _check_same_vocab(student.vocab, teacher.vocab)
     s_state, t_state = student.state_dict(), teacher.state_dict()
     copied = [n for n, v in t_state.items() if n in s_state and s_state[n].shape == v.shape]
     skipped = [n for n in t_state if n not in set(copied)]
@@ -92,3 +96,14 @@ def init_student_from_teacher(student: nn.Module, teacher: nn.Module, strict: bo
         for name in copied:
             s_state[name].copy_(t_state[name])
     return {"copied": copied, "skipped": skipped, "missing": missing}
+
+
+def _check_same_vocab(s, t) -> None:
+    if s.mask_token_id != t.mask_token_id:
+        raise ValueError(f"student mask_token_id {s.mask_token_id} != teacher's {t.mask_token_id}")
+    same = (s.draft_ids is None and t.draft_ids is None) or (
+        s.draft_ids is not None and t.draft_ids is not None
+        and s.draft_ids.shape == t.draft_ids.shape and bool((s.draft_ids == t.draft_ids.to(s.draft_ids.device)).all()))
+    if not same:
+        raise ValueError("student and teacher have different draft vocabularies: build the "
+                         "student with the teacher's (`teacher.vocab.draft_ids`)")

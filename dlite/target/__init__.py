@@ -58,8 +58,10 @@ def torch_dtype(target_cfg):
 def load_model(target_cfg, dtype=None):
     """The causal LM in the configured dtype and attention kernel, in eval mode."""
     from transformers import AutoModelForCausalLM
-    kw = {"attn_implementation": target_cfg.attn_implementation} \
-        if getattr(target_cfg, "attn_implementation", None) else {}
+    impl = getattr(target_cfg, "attn_implementation", None)
+    if impl == "sdpa_packed_gqa":
+        from dlite.target import attention  # noqa: F401 (registers it with transformers)
+    kw = {"attn_implementation": impl} if impl else {}
     model = AutoModelForCausalLM.from_pretrained(target_dir(target_cfg), dtype=dtype or torch_dtype(target_cfg), **kw)
     return model.eval()
 
@@ -87,13 +89,16 @@ def eos_ids(model_or_config, tokenizer) -> tuple:
 def mask_token_id(model, tokenizer) -> int:
     """The frozen unused embedding row drafters use for MASK slots: `<|mask|>` when the
     tokenizer has it (the tiny target), else the first row past the tokenizer's vocab
-    (Qwen3 pads its embedding to 151936 rows for 151669 tokens)."""
+    (Qwen3 pads its embedding to 151936 rows for 151669 tokens), else LEARNED_MASK:
+    every row is a real token (SmolLM2: 49152 of 49152) and the drafter learns its own
+    MASK embedding (`dlite.models.common.FrozenVocab`)."""
     tid = tokenizer.convert_tokens_to_ids("<|mask|>")
     if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None:
         return tid
     if len(tokenizer) < model.config.vocab_size:
         return len(tokenizer)
-    raise ValueError("target has no unused embedding row for MASK; add a <|mask|> token")
+    from dlite.models import LEARNED_MASK
+    return LEARNED_MASK
 
 
 def shared_vocab(model, tokenizer) -> tuple:

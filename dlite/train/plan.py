@@ -29,9 +29,9 @@ import torch
 from omegaconf import OmegaConf
 
 from dlite import target as tgt
-from dlite import tiny
 from dlite.data import shards
 from dlite.export import load_drafter
+from dlite.data import draft_vocab as dv
 from dlite.models import DrafterConfig, build_drafter, init_student_from_teacher
 from dlite.train.data import collate, training_row
 from dlite.train.loop import LoopConfig, to_device
@@ -96,7 +96,7 @@ def load_vocab(target_cfg, dtype=torch.float32) -> tuple:
     lm_head = found.get("lm_head.weight", embed if conf.tie_word_embeddings else None)
     if lm_head is None:
         raise ValueError(f"target.path: no lm_head.weight in {d} and embeddings are not tied")
-    tok = tiny.load_tokenizer(str(tgt.tokenizer_dir(target_cfg)))
+    tok = tgt.load_tokenizer(target_cfg)
     return embed, lm_head, tgt.mask_token_id(SimpleNamespace(config=conf), tok)
 
 
@@ -116,16 +116,69 @@ def load_teacher(path: str, vocab: tuple, device=None, dtype=torch.float32):
     return teacher.to(device or "cpu", dtype).eval()
 
 
-def build_model(cfg, plan: StagePlan, vocab: tuple, teacher=None, device=None):
+def build_model(cfg, plan: StagePlan, vocab: tuple, teacher=None, device=None, draft_ids=None):
     """The stage's model, seeded by `run.seed` (every rank and engine builds the same
-    init), its shared weights copied from the teacher when the plan says so."""
+    init), its shared weights copied from the teacher when the plan says so. With
+    `drafter.draft_vocab_size` set, `draft_ids` is the draft vocabulary
+    (`draft_vocab_from_shards`); a student from a teacher takes the teacher's."""
     torch.manual_seed(cfg.run.seed)
-    model = build_drafter(drafter_config(cfg, plan.arch), *vocab)
+    n = cfg.drafter.draft_vocab_size
+    if plan.from_teacher and teacher is not None and teacher.vocab.draft_ids is not None:
+        draft_ids = teacher.vocab.draft_ids.cpu() if draft_ids is None else draft_ids
+    if n is not None and draft_ids is None:
+        raise ValueError(f"drafter.draft_vocab_size={n}: build_model needs the draft vocabulary "
+                         f"(dlite.train.plan.draft_vocab_from_shards on the training shards)")
+    model = build_drafter(drafter_config(cfg, plan.arch), *vocab, draft_vocab=draft_ids)
     if plan.from_teacher:
         if teacher is None:
             raise ValueError("the align stage needs --teacher (or train.skip_teacher=true)")
         init_student_from_teacher(model, teacher)
     return model.to(device or "cpu")
+
+
+def draft_vocab_from_shards(cfg, uri: str, vocab_size: int, held_ids: Optional[List[str]] = None):
+    """(draft ids, report) for `drafter.draft_vocab_size`, or (None, {}) when unset: the
+    target's supervised next tokens of the training rows of collection `uri` (records
+    in `held_ids` left out, as the trainer leaves them out), the special tokens and the
+    low-id prior (`dlite.data.draft_vocab`). Deterministic: every rank and every stage
+    (teacher, DSpark, student without teacher) gets the same ids. The report has the
+    train coverage and, when `held_ids` are given, the held-out coverage."""
+    n = cfg.drafter.draft_vocab_size
+    if n is None:
+        return None, {}
+    import pyarrow.parquet as pq
+    m, store, held = shards.read_manifest(uri), shards.Store(uri), set(held_ids or ())
+    rows = {True: [], False: []}  # held out? -> rows (input_ids + loss_mask: cheap to read)
+    for f in m["files"]:
+        t = pq.read_table(store.path(f["path"]), columns=["id", "input_ids", "loss_mask"],
+                          filesystem=store.fs)
+        for r in t.to_pylist():
+            rows[r["id"] in held].append(r)
+    counts = dv.supervised_counts(rows[False], vocab_size)
+    ids = dv.build_draft_vocab(counts, n, special_ids(cfg.target))
+    report = {"draft_vocab_size": n, "distinct_train_tokens": int((counts > 0).sum()),
+              "train_coverage": dv.coverage(ids, dv.supervised_tokens(rows[False]))}
+    if rows[True]:
+        report["heldout_coverage"] = dv.coverage(ids, dv.supervised_tokens(rows[True]))
+    return ids, report
+
+
+def target_vocab_size(target_cfg) -> int:
+    from transformers import AutoConfig
+    return int(AutoConfig.from_pretrained(tgt.target_dir(target_cfg)).vocab_size)
+
+
+def special_ids(target_cfg) -> List[int]:
+    """Ids a drafter must always be able to propose: the tokenizer's special tokens and
+    every EOS id of the target's generation config (`dlite.target.eos_ids`)."""
+    from transformers import GenerationConfig
+    tok = tgt.load_tokenizer(target_cfg)
+    try:
+        gen = GenerationConfig.from_pretrained(tgt.target_dir(target_cfg))
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        gen = None
+    eos = tgt.eos_ids(SimpleNamespace(generation_config=gen), tok)
+    return sorted(set(int(i) for i in tok.all_special_ids) | set(eos))
 
 
 # ---------------------------------------------------------------- validation data
@@ -164,6 +217,7 @@ def val_batches(rows: List[dict], batch_size: int, device=None) -> List[dict]:
 def artifact_fields(cfg, plan: StagePlan, manifest: dict, step: int, metrics: dict) -> dict:
     """Lineage written into the drafter's config.json."""
     return {"target_name": cfg.target.name, "target_fingerprint": manifest["target_fingerprint"]["id"],
+            "target_dtype": manifest.get("target_dtype", "float32"),
             "data_plan_id": manifest.get("plan_id"), "stage": plan.stage, "step": step,
             "skip_teacher": plan.stage == "align" and not plan.from_teacher,
             "val_tau": metrics.get("val_tau"), "val_loss": metrics.get("val_loss")}

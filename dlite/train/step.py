@@ -10,22 +10,29 @@ from dlite.losses import (block_targets, dlite_loss, gather_block_rows, ref_prob
                           ref_probs_from_topk)
 
 
-def reference_probs(batch: dict, anchors, gamma: int, lm_head_weight, vocab: int,
-                    teacher=None) -> torch.Tensor:
-    """p_ref [B, A, γ, V] for every slot of every block."""
+def reference_probs(batch: dict, anchors, gamma: int, vocab, teacher=None) -> torch.Tensor:
+    """p_ref [B, A, γ, N] for every slot of every block, over the drafter's vocabulary
+    (`vocab`: its FrozenVocab). The target's distribution is computed over all V tokens
+    (the softmax needs the whole normaliser) and then restricted to the draft ids; a
+    teacher shares the student's draft vocabulary, so its softmax is already over N."""
     if teacher is not None:
         with torch.no_grad():
             return torch.softmax(teacher.forward_train(batch).float(), dim=-1)
+    V, lm_head = vocab.embed_weight.shape[0], vocab.lm_head_weight
     if "ref_hidden_blocks" in batch:  # `anchors` storage: already one row per slot
-        return ref_probs_from_hidden(batch["ref_hidden_blocks"], lm_head_weight)
-    if "topk_ids_blocks" in batch:
-        return ref_probs_from_topk(batch["topk_ids_blocks"], batch["topk_logprobs_blocks"], vocab)
-    if "ref_hidden" in batch:
-        rows = gather_block_rows(batch["ref_hidden"], anchors, gamma)
-        return ref_probs_from_hidden(rows, lm_head_weight)
-    ids = gather_block_rows(batch["topk_ids"], anchors, gamma)
-    lps = gather_block_rows(batch["topk_logprobs"], anchors, gamma)
-    return ref_probs_from_topk(ids, lps, vocab)
+        p = ref_probs_from_hidden(batch["ref_hidden_blocks"], lm_head)
+    elif "topk_ids_blocks" in batch:
+        p = ref_probs_from_topk(batch["topk_ids_blocks"], batch["topk_logprobs_blocks"], V)
+    elif "ref_hidden" in batch:
+        p = ref_probs_from_hidden(gather_block_rows(batch["ref_hidden"], anchors, gamma), lm_head)
+    else:
+        ids = gather_block_rows(batch["topk_ids"], anchors, gamma)
+        p = ref_probs_from_topk(ids, gather_block_rows(batch["topk_logprobs"], anchors, gamma), V)
+    # NOT renormalised over the draft vocabulary: with q zero outside it,
+    # |q - p_N|_1 = 1 + p(N) - 2 sum_x min(q, p), so the L1 term is exactly the true
+    # acceptance rate (mass outside the vocabulary counted as lost), and accept_est /
+    # val_tau stay comparable with a full-vocabulary drafter's.
+    return p if vocab.draft_ids is None else p.index_select(-1, vocab.draft_ids)
 
 
 def compute_loss(model, batch: dict, teacher=None, ce_weight: float = 0.1,
@@ -33,17 +40,23 @@ def compute_loss(model, batch: dict, teacher=None, ce_weight: float = 0.1,
     """(loss, metrics) for a batch dict: input_ids [B,L], features [B,L,F], anchors [B,A],
     optional loss_mask [B,L], anchor_mask [B,A], seq_ids [B,L], and the reference
     (`ref_hidden` [B,L,H] or `topk_ids`/`topk_logprobs` [B,L,k]; per block, `*_blocks`
-    [B,A,γ,...], from `anchors` storage) unless a teacher is given."""
-    anchors, gamma = batch["anchors"], model.gamma
+    [B,A,γ,...], from `anchors` storage) unless a teacher is given. With a draft
+    vocabulary, data tokens outside it are left out of the CE term and counted
+    (`oov_slots`, `oov_share` of valid slots)."""
+    anchors, gamma, vocab = batch["anchors"], model.gamma, model.vocab
     if any(k.endswith("_blocks") for k in batch) and (teacher is not None or model.cfg.arch != "dlite"):
         raise ValueError("an `anchors`-storage batch has features at its anchors only: it trains "
                          "the DLite student against the target, not a teacher, DSpark or distillation")
     logits = model.forward_train(batch)
     targets, valid = block_targets(batch["input_ids"], anchors, gamma, batch.get("loss_mask"),
                                    batch.get("anchor_mask"), batch.get("seq_ids"))
-    p_ref = reference_probs(batch, anchors, gamma, model.vocab.lm_head_weight, logits.shape[-1], teacher)
-    return dlite_loss(logits, targets, valid, p_ref, ce_weight, l1_weight)
-
+    p_ref = reference_probs(batch, anchors, gamma, vocab, teacher)
+    if vocab.draft_ids is None:
+        return dlite_loss(logits, targets, valid, p_ref, ce_weight, l1_weight)
+    targets = vocab.to_draft(targets)  # -1: outside the draft vocabulary, not learnable
+    loss, m = dlite_loss(logits, targets, valid, p_ref, ce_weight, l1_weight, ce_valid=targets >= 0)
+    oov = int((valid & (targets < 0)).sum())
+    return loss, {**m, "oov_slots": oov, "oov_share": oov / max(1, m["valid_slots"])}
 
 
 @torch.no_grad()
@@ -51,13 +64,14 @@ def validate(model, batches) -> dict:
     """Teacher-forced validation against the target over fixed batches (stored anchors):
     `val_loss`, per-slot `val_accept_at_k_j` and `val_tau` = expected accepted length
     built from them -- the same estimate as `tau_est`, pooled over all batches with
-    each batch weighted by its valid slots."""
+    each batch weighted by its valid slots; with a draft vocabulary also `val_oov_share`
+    (valid slots whose data token lies outside it)."""
     was_training, model = model.training, model.eval()
-    w_sum, loss_sum, accept = 0.0, 0.0, None
+    w_sum, loss_sum, accept, oov = 0.0, 0.0, None, 0
     for batch in batches:
         _, m = compute_loss(model, batch)
         w = float(m["valid_slots"])
-        loss_sum, w_sum = loss_sum + m["loss"] * w, w_sum + w
+        loss_sum, w_sum, oov = loss_sum + m["loss"] * w, w_sum + w, oov + m.get("oov_slots", 0)
         a = torch.tensor(m["accept_est_at_k"]) * w
         accept = a if accept is None else accept + a
     model.train(was_training)
@@ -68,5 +82,6 @@ def validate(model, batches) -> dict:
     for a in accept:
         run *= a
         tau += run
-    return {"val_loss": loss_sum / w_sum, "val_tau": tau,
+    extra = {} if model.vocab.draft_ids is None else {"val_oov_share": oov / w_sum}
+    return {"val_loss": loss_sum / w_sum, "val_tau": tau, **extra,
             **{f"val_accept_at_k_{i + 1}": a for i, a in enumerate(accept)}}

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from dlite.config import REPO_ROOT  # uploaded as the job's working dir by default
 from pipelines.common import tracking
 from pipelines.retraining.checkpoints import Checkpoint, WatchError, latest  # noqa: F401 (watch's API)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 # Never uploaded with the job (Ray also honours .gitignore): environments, outputs, stores.
 EXCLUDES = [".venv", ".git", "runs", "mlruns", "mlartifacts", "*.db", "__pycache__",
             ".pytest_cache", ".cache"]
@@ -133,13 +133,29 @@ def record(cfg, run_id: str, ckpt: Checkpoint, sid: str, submitted_at: float) ->
 
 # ---------------------------------------------------------------- one check
 
+def connect(address: Optional[str]):
+    """The job API client. A token-auth cluster (Ray's default once a token exists) needs
+    RAY_AUTH_MODE=token and the token in this process's environment (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token): the client sends it on every request."""
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+    try:
+        return JobSubmissionClient(address)
+    except AuthenticationError as e:
+        raise WatchError(f"--address {address or '$RAY_ADDRESS'}: {e}") from None
+
+
 def check(cfg, opts: Options) -> str:
     """Look once; submit when the newest checkpoint is new. Returns the decision line."""
-    from ray.job_submission import JobSubmissionClient
+    if not Path(cfg.run.output_dir).is_absolute():
+        # The job would refuse it (dlite.config: a job's working dir is Ray's temporary
+        # copy), yet the checkpoint would count as submitted and never be trained.
+        raise WatchError(f"run.output_dir: {cfg.run.output_dir!r} is relative; the pipeline job "
+                         "needs an absolute path every Ray node sees")
     ckpt = latest(cfg, opts)
     if ckpt is None:
         return f"nothing new: no complete checkpoint at {opts.source}"
-    client = JobSubmissionClient(opts.address)
+    client = connect(opts.address)
     sid = submission_id(cfg, ckpt)
     run_id = watcher_run(cfg, opts.source, create=not opts.dry_run)
     seen, job = recorded(cfg, run_id, ckpt.fingerprint), job_status(client, sid)

@@ -190,7 +190,8 @@ def _worker(conf: dict) -> None:
     device, world = ray.train.torch.get_device(), ray.train.get_context().get_world_size()
     vocab = st.load_vocab(cfg.target)
     teacher = st.load_teacher(conf["teacher"], vocab, device) if plan.needs_teacher else None
-    engine = DeepSpeedEngine(st.build_model(cfg, plan, vocab, teacher, device), cfg.train, world)
+    draft_ids = torch.tensor(conf["draft_ids"]) if conf.get("draft_ids") else None
+    engine = DeepSpeedEngine(st.build_model(cfg, plan, vocab, teacher, device, draft_ids), cfg.train, world)
     teacher = teacher.to(engine.dtype) if teacher is not None else None
     start = _resume(engine)
     decode = lambda row: training_row(row, conf["manifest"])  # noqa: E731
@@ -267,7 +268,13 @@ def train_stage(cfg, stage: str, input_uri: str, output: str, teacher: Optional[
     init_ray(cfg)
     train_ds = _dataset(input_uri, inputs, manifest["target_fingerprint"])
     run_id = tracking.open_child(cfg, label or stage, out, parent_run_id)
-    result = _fit(cfg, plan, stage, out, manifest, run_id, teacher, train_ds, inputs)
+    # Chosen once on the driver from this collection's training rows (every rank builds
+    # the same model); a student from a teacher keeps the teacher's.
+    draft_ids, vocab_report = st.draft_vocab_from_shards(cfg, input_uri, st.target_vocab_size(cfg.target), inputs.held)
+    if vocab_report:
+        tracking.log_metrics(cfg.tracking.uri, run_id, 0, {f"draft_vocab.{k}": v for k, v in vocab_report.items()})
+    result = _fit(cfg, plan, stage, out, manifest, run_id, teacher, train_ds, inputs,
+                  None if draft_ids is None else draft_ids.tolist())
     best = _export_best(result, out)
     summary = {"stage": stage, "plan": plan.__dict__, "run_id": run_id, "steps": result.metrics["step"],
                "final": result.metrics, "best": best, "drafter": str(out / "drafter"),
@@ -278,11 +285,11 @@ def train_stage(cfg, stage: str, input_uri: str, output: str, teacher: Optional[
     return summary
 
 
-def _fit(cfg, plan, stage, out: Path, manifest, run_id, teacher, train_ds, inputs: StageInputs):
+def _fit(cfg, plan, stage, out: Path, manifest, run_id, teacher, train_ds, inputs: StageInputs, draft_ids=None):
     crash = os.environ.get("DLITE_TRAIN_CRASH_AT_STEP")
     conf = {"cfg": OmegaConf.to_container(cfg, resolve=True), "plan": plan.__dict__,
             "manifest": manifest, "teacher": teacher and str(st.teacher_dir(teacher)),
-            "val": inputs.val, "run_id": run_id, "mlflow_uri": cfg.tracking.uri,
+            "val": inputs.val, "run_id": run_id, "mlflow_uri": cfg.tracking.uri, "draft_ids": draft_ids,
             "shuffle_buffer": shuffle_buffer(cfg), "cached": inputs.table is not None,
             "crash_at_step": int(crash) if crash else None, "crash_marker": str(out / ".crash-marker")}
     # Ray Train gives a worker group 60 s to start; on busy or cold nodes that is slow,

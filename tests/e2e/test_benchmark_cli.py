@@ -12,6 +12,7 @@ import pytest
 def test_draft_cost_report(repo_root, tmp_path):
     out = tmp_path / "draft_cost.json"
     r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "draft_cost", "--out", str(out),
+                        "--config", "configs/experiments/tiny.yaml",
                         "--rounds", "4", "--context-lengths", "64", "512"],
                        cwd=repo_root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -1,7 +1,10 @@
 """Integration set-up: one real local Ray for the whole session (2 CPUs, no dashboard),
+`ray start --head` clusters with token authentication on for job submission (this
+process authenticates as the README says: RAY_AUTH_MODE=token, ~/.ray/auth_token),
 and a random-weight tiny Qwen3 target saved with the shipped tokenizer, so collection
 tests run against a real checkpoint directory without waiting for the trained one."""
 
+import contextlib
 import os
 import shutil
 
@@ -48,11 +51,54 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def ray_head(repo_root):
+def ray_token():
+    """Clients of this test process authenticate to token-auth heads as the README says:
+    RAY_AUTH_MODE=token, the token in the default file ~/.ray/auth_token (made by
+    `ray get-auth-token --generate` when missing, as any local `ray.init()` of Ray 2.60
+    would). Yields the token, for the raw HTTP probes of `_wait_for_jobs_api`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ray._raylet import Config
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    token = subprocess.run([ray_cli, "get-auth-token", "--generate"], env=env, check=True,
+                           capture_output=True, text=True, timeout=120).stdout.strip()
+    with pytest.MonkeyPatch.context() as mp:
+        for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):  # the heads read the file
+            mp.delenv(k, raising=False)
+        mp.setenv("RAY_AUTH_MODE", "token")
+        # Ray reads RAY_AUTH_MODE into its config once per process: re-read it, as
+        # ray.init() itself does when it turns token auth on.
+        Config.initialize("")
+        yield token
+
+
+@pytest.fixture(scope="session")
+def ray_head(ray_token):
+    """A real `ray start --head` cluster for the whole session: see `running_head`."""
+    with running_head(ray_token) as (address, _):
+        yield address
+
+
+@pytest.fixture
+def own_ray_head(ray_token):
+    """`with own_ray_head() as (address, temp_dir):` a head of the test's own, stopped
+    when the block ends (what a user's `ray stop` does), for checks made after Ray is gone."""
+    return lambda: running_head(ray_token)
+
+
+@contextlib.contextmanager
+def running_head(token: str):
     """A real `ray start --head` cluster (dashboard on) for job submission; yields its
     job API address `http://127.0.0.1:<dashboard port>` for `JobSubmissionClient` /
-    `ray job submit --address`.
+    `ray job submit --address`, and its temp dir.
 
+    - Token authentication on, as a default Ray 2.60 head has it: started without
+      RAY_AUTH_MODE, it turns token auth on because ~/.ray/auth_token exists (see
+      `ray_token`); checked here, so a head without it fails the fixture. Jobs inherit
+      RAY_AUTH_MODE=token from it and their `ray.init()` reads the same file.
     - 2 logical CPUs, like `ray_session`: a whole pipeline submitted as a job needs its
       two Ray Train workers (cluster.num_workers=2) to fit.
     - A head that fails to start is retried (4 tries) on new ports: a port taken since
@@ -63,9 +109,8 @@ def ray_head(repo_root):
       `ray_session` and with other Ray clusters on the machine. Logs:
       <temp dir>/start.log and <temp dir>/session_latest/logs (kept if the head dies).
     - Job entrypoints run `python` from PATH: the venv's bin dir is put first so it is
-      this interpreter. `RAY_AUTH_MODE=disabled` (it listens on 127.0.0.1 only):
-      otherwise an existing ~/.ray/auth_token silently turns token auth on. Jobs
-      inherit it, so a job's `ray.init()` joins without a token.
+      this interpreter. No MLFLOW_TRACKING_URI reaches the jobs from this process: a
+      job's store is what its command line names, or its default.
     - `ray stop` would stop every Ray of this user, so the head runs as
       `ray start --block` in a session of its own: teardown stops unfinished jobs,
       SIGTERMs that process (it stops what it started; job drivers die with their
@@ -80,7 +125,7 @@ def ray_head(repo_root):
     for attempt in range(attempts):
         head, address = _start_head(tmp)
         try:
-            _wait_for_jobs_api(address, head, tmp / "start.log")
+            _wait_for_jobs_api(address, head, tmp / "start.log", token)
             break
         except RuntimeError:
             died = head.poll() is not None  # a start that failed, not one still going
@@ -88,8 +133,12 @@ def ray_head(repo_root):
             if attempt == attempts - 1 or not died:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
+        except AssertionError:  # up, but without token auth: no retry helps
+            _kill_session(head.pid)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     try:
-        yield address
+        yield address, tmp
     finally:
         died = head.poll() is not None  # under the tests' feet: keep its logs
         _stop_jobs(address)
@@ -114,9 +163,9 @@ def _start_head(tmp):
         "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
         "node-manager-port", "object-manager-port")}
     venv_bin = str(Path(sys.executable).parent)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(PATH=os.pathsep.join([venv_bin, env.get("PATH", "")]), RAY_AUTH_MODE="disabled",
-               RAY_USAGE_STATS_ENABLED="0")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_") and k != "MLFLOW_TRACKING_URI"}
+    env.update(PATH=os.pathsep.join([venv_bin, env.get("PATH", "")]), RAY_USAGE_STATS_ENABLED="0")
     cmd = [str(Path(venv_bin) / "ray"), "start", "--head", "--block", "--num-cpus", "2",
            "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
            "--disable-usage-stats", "--temp-dir", str(tmp),
@@ -127,23 +176,33 @@ def _start_head(tmp):
     return head, f"http://127.0.0.1:{ports['dashboard-port']}"
 
 
-def _wait_for_jobs_api(address: str, head, log_path, timeout: float = 300.0) -> None:
+def _wait_for_jobs_api(address: str, head, log_path, token: str, timeout: float = 300.0) -> None:
     """Up when `ray start` says it started (the dashboard answers before that, and a
-    raylet slower than Ray's fixed 30 s still fails the start) and the job API answers."""
+    raylet slower than Ray's fixed 30 s still fails the start) and the job API answers
+    with the token -- and refuses without it (a head without token auth is an error)."""
     import time
+    import urllib.error
     import urllib.request
     deadline = time.time() + timeout
+    url = f"{address}/api/jobs/"
     while True:
         if "block forever" in log_path.read_text():  # `--block` prints it once started
             try:
-                with urllib.request.urlopen(f"{address}/api/jobs/", timeout=5) as r:
+                req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+                with urllib.request.urlopen(req, timeout=5) as r:
                     if r.status == 200:
-                        return
+                        break
             except OSError:
                 pass
         if head.poll() is not None or time.time() > deadline:
             raise RuntimeError(f"ray head did not start: {log_path.read_text()[-3000:]}")
         time.sleep(1)
+    try:
+        urllib.request.urlopen(url, timeout=5).close()
+    except urllib.error.HTTPError as e:
+        if e.code == 401:  # "Unauthorized: Missing authentication token"
+            return
+    raise AssertionError(f"{address}: the job API answers without a token (token auth is off)")
 
 
 def _stop_jobs(address: str) -> None:

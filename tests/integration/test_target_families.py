@@ -49,12 +49,13 @@ def test_llama_family_through_the_pipeline(llama_target, repo_root, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (summary,) = (tmp_path / "runs").glob("tiny-*/summary.json")
     res = json.loads(summary.read_text())["results"]
-    assert res["evaluate"]["lossless"] is True and res["evaluate"]["methods"]["dlite"]["n_tasks"] == 2
+    report = json.loads(open(res["evaluate"]["report"]).read())
+    assert report["lossless"] is True and report["methods"]["dlite"]["n_tasks"] == 2
     collected = res["collect"]
-    assert collected["counts"]["written"] >= 1, collected
     (drafter_cfg,) = (tmp_path / "runs").glob("stages/align-*/drafter/config.json")
     meta = json.loads(drafter_cfg.read_text())
-    assert meta["architecture"] == "dlite" and meta["target_fingerprint"] == collected["target_fingerprint"]["id"]
+    assert meta["architecture"] == "dlite" and meta["target_fingerprint"] == collected["target_fingerprint"]
+    assert meta["mask_embedding"] == "learned"  # SmolLM2's tokenizer fills every row
 
 
 def _long_turns(tok, n: int, min_tokens: int):
@@ -81,8 +82,12 @@ def test_smollm2_greedy_speculative_equals_plain():
     cfg = load_config(SMOLLM2)
     model, tok = tgt.load(cfg.target)
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
+    from dlite.data import draft_vocab as dv
     torch.manual_seed(0)
-    drafter = build_drafter(OmegaConf.to_object(cfg.drafter), *tgt.shared_vocab(model, tok)).eval()
+    dcfg = OmegaConf.to_object(cfg.drafter)  # its draft vocabulary from the prior alone (no data)
+    ids = dv.build_draft_vocab([0] * len(tok), dcfg.draft_vocab_size, tgt.eos_ids(model, tok))
+    drafter = build_drafter(dcfg, *tgt.shared_vocab(model, tok), draft_vocab=ids).eval()
+    assert drafter.vocab.mask_token_id == -1  # every SmolLM2 row is a token: a learned MASK
     eos = tgt.eos_ids(model, tok)
     for prompt in _long_turns(tok, 2, 2048):
         plain, _ = plain_generate(model, prompt, max_new_tokens=24, eos_ids=eos)

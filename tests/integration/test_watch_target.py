@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from jobs import watch_target
 from pipelines.common import tracking
 from pipelines.retraining import watch
 CHEAP = "--dry-run"  # the pipeline validates and plans on the new target, then exits
+# A Ray job refuses a relative run.output_dir (its working dir is Ray's temporary copy),
+# and so does the watcher before submitting; a dry run writes nothing there.
+OUT = str(Path(tempfile.gettempdir()) / "dlite-watch-test-runs")
 
 
 def make_checkpoint(d: Path, variant: str) -> Path:
@@ -35,7 +39,8 @@ def make_checkpoint(d: Path, variant: str) -> Path:
 
 def argv(source, name, uri, *extra):
     return ["--source", str(source), "--once", "--min-age", "0", f"--pipeline-args={CHEAP}",
-            f"run.name={name}", f"tracking.uri={uri}", f"tracking.experiment=watch-{name}", *extra]
+            f"run.name={name}", f"tracking.uri={uri}", f"tracking.experiment=watch-{name}",
+            f"run.output_dir={OUT}", *extra]
 
 
 def run_cli(capsys, *args) -> str:
@@ -126,6 +131,11 @@ def test_crash_between_submit_and_record(tmp_path, ray_head, mlflow_server, repo
     env = {**os.environ, watch.CRASH_ENV: "1"}
     run = lambda env: subprocess.run(cmd, check=False, cwd=repo_root, env=env, capture_output=True,
                                      text=True, timeout=600)
+    # The cluster has token auth on: a watcher without RAY_AUTH_MODE=token says so, submits nothing.
+    bare = run({k: v for k, v in env.items() if k != "RAY_AUTH_MODE"})
+    assert bare.returncode == 1 and f"[watch] error: --address {ray_head}: Authentication required" \
+        in bare.stdout, bare.stdout + bare.stderr[-2000:]
+    assert jobs_of(client, name) == []
     crashed = run(env)
     assert crashed.returncode == -9, crashed.stdout + crashed.stderr
     sid = f"dlite-{name}-{fingerprint(ckpt)}"

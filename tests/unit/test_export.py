@@ -36,6 +36,9 @@ def test_round_trip_gives_identical_outputs(tmp_path, vocab, arch, head):
     feats = torch.randn(9, 2 * HT)
     a = model.draft(model.new_state(), feats, 3, 9, 0.0)
     b = loaded.draft(loaded.new_state(), feats, 3, 9, 0.0)
+    assert torch.equal(a[0], b[0]) and a[1] is None and b[1] is None
+    a = model.draft(model.new_state(), feats, 3, 9, 1.0, torch.Generator().manual_seed(1))
+    b = loaded.draft(loaded.new_state(), feats, 3, 9, 1.0, torch.Generator().manual_seed(1))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     batch = {"features": torch.randn(1, 16, 2 * HT), "input_ids": torch.randint(0, V - 1, (1, 16)),
              "anchors": torch.tensor([[3, 8]])}

@@ -250,6 +250,19 @@ def test_jobs_report_to_the_mlflow_service():
     assert src["name"] in _readme_secrets()
 
 
+def test_token_auth_on_the_cluster_and_its_clients():
+    """The RayCluster has Ray's token auth on with a Secret the README creates; the
+    watcher, a client of its job API, presents that token the way Ray reads it."""
+    auth = _one("RayCluster")["spec"]["authOptions"]
+    assert auth["mode"] == "token" and auth["secretName"] in _readme_secrets()
+    (watcher,) = _containers(_one("CronJob"))
+    env = {e["name"]: e for e in watcher["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": auth["secretName"],
+                                                                 "key": "auth_token"}
+    assert "RAY_AUTH_MODE=token" in README and "RAY_AUTH_TOKEN=" in README
+
+
 # ---------------------------------------------------------------- what must exist first
 
 def _readme_secrets():

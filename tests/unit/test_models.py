@@ -1,7 +1,8 @@
 """Unit tests for dlite.models: Qwen3 parity of the backbone layer, shapes for every
-arch × injection × head, the no-peeking mask, train/inference agreement of draft(),
-DLite's history-freedom, DSpark's growing cache, teacher -> student init, and the
-draft-cost benchmark on a toy config. Tiny sizes: the whole file runs in seconds."""
+arch × injection × head, the no-peeking mask, train/inference agreement of draft()
+(with a target MASK row and full vocabulary, and with a learned MASK and a draft
+vocabulary), DLite's history-freedom, DSpark's growing cache, teacher -> student init,
+and the draft-cost benchmark on a toy config. Tiny sizes: the whole file runs in seconds."""
 
 import dataclasses
 
@@ -10,7 +11,7 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-from dlite.models import DrafterConfig, build_drafter, init_student_from_teacher, param_count
+from dlite.models import LEARNED_MASK, DrafterConfig, build_drafter, init_student_from_teacher, param_count
 from dlite.models.layers import DecoderLayer, rope_cos_sin
 
 V, HT, K = 40, 24, 2          # vocab, target hidden (≠ drafter width: projections in use), layers
@@ -18,14 +19,18 @@ MASK = V - 1
 CFG = DrafterConfig(gamma=4, target_layer_ids=[0, 1], hidden_size=32, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, intermediate_size=64, head_hidden=32, markov_rank=8)
 ARCHS = ("dlite", "teacher", "dspark")
+DRAFT_IDS = torch.tensor([0, 2, 3, 5, 8, 11, 13, 17, 20, 21, 25, 30, 33, 36, 38])
+# (mask id, draft vocabulary): a spare target row and all V tokens / a learned MASK and N of V
+VOCABS = {"row_full": (MASK, None), "learned_draft": (LEARNED_MASK, DRAFT_IDS)}
 
 
-
-def make(arch="dlite", seed=0, **kw):
+def make(arch="dlite", seed=0, vocab="row_full", **kw):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(123)
     embed, lm_head = torch.randn(V, HT, generator=g), torch.randn(V, HT, generator=g)
-    return build_drafter(dataclasses.replace(CFG, arch=arch, **kw), embed, lm_head, MASK).eval()
+    mask, ids = VOCABS[vocab]
+    cfg = dataclasses.replace(CFG, arch=arch, draft_vocab_size=None if ids is None else len(ids), **kw)
+    return build_drafter(cfg, embed, lm_head, mask, ids).eval()
 
 
 def make_batch(B=2, L=24, A=3, seed=1):
@@ -102,23 +107,34 @@ def test_dlite_train_uses_only_the_feature_before_the_anchor():
     assert not torch.allclose(m.forward_train(other), base)
 
 
+@pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("injection", ["kv", "add"])
-def test_greedy_draft_matches_teacher_forced_training(arch, injection):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_matches_teacher_forced_training(arch, injection, vocab, temperature):
     """Two rounds of draft() (cache extended in between) reproduce forward_train run on
-    the drafted continuation; greedy tokens are the argmax of the returned probs."""
-    m = make(arch, context_injection=injection)
+    the drafted continuation: greedy tokens are its argmax (and no probs are computed);
+    sampled tokens come with exactly its softmax, over the target's vocabulary."""
+    m = make(arch, context_injection=injection, vocab=vocab)
     batch = make_batch(B=1, L=24)
     feats, ids = batch["features"][0], batch["input_ids"][0].clone()
-    state = m.new_state()
-    _, _, state = m.draft(state, feats[:7], int(ids[7]), 7, 0.0)
-    tokens, probs, state = m.draft(state, feats[7:11], int(ids[11]), 11, 0.0)
-    assert tokens.shape == (CFG.gamma,) and probs.shape == (CFG.gamma, V)
-    assert torch.equal(tokens, probs.argmax(-1))
-    torch.testing.assert_close(probs.sum(-1), torch.ones(CFG.gamma))
+    state, g = m.new_state(), torch.Generator().manual_seed(5)
+    _, _, state = m.draft(state, feats[:7], int(ids[7]), 7, temperature, g)
+    tokens, probs, state = m.draft(state, feats[7:11], int(ids[11]), 11, temperature, g)
+    assert tokens.shape == (CFG.gamma,)
     ids[12:12 + CFG.gamma] = tokens
-    logits = m.forward_train({"features": feats, "input_ids": ids, "anchors": torch.tensor([11])})
-    torch.testing.assert_close(torch.softmax(logits[0], -1), probs, rtol=1e-4, atol=1e-5)
+    logits = m.forward_train({"features": feats, "input_ids": ids, "anchors": torch.tensor([11])})[0]
+    assert logits.shape == (CFG.gamma, m.vocab.size)
+    if temperature == 0:
+        assert probs is None
+        assert torch.equal(tokens, m.vocab.to_target(logits.argmax(-1)))
+        return
+    assert probs.shape == (CFG.gamma, V) and (probs.gather(1, tokens[:, None]) > 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(CFG.gamma))
+    torch.testing.assert_close(m.vocab.to_full(torch.softmax(logits, -1)), probs, rtol=1e-4, atol=1e-5)
+    if VOCABS[vocab][1] is not None:
+        outside = torch.ones(V, dtype=torch.bool).index_fill_(0, DRAFT_IDS, False)
+        assert (probs[:, outside] == 0).all() and torch.isin(tokens, DRAFT_IDS).all()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -134,14 +150,15 @@ def test_sampled_draft_is_reproducible_and_from_probs(arch):
 def test_dlite_draft_depends_only_on_last_row_anchor_and_position():
     m = make("dlite")
     rows = torch.randn(6, K * HT)
-    tokens, probs, state = m.draft(m.new_state(), rows, 5, 30, 0.0)
+    draft = lambda state, f, a, p: m.draft(state, f, a, p, 1.0, torch.Generator().manual_seed(0))  # noqa: E731
+    tokens, probs, state = draft(m.new_state(), rows, 5, 30)
     assert state is None and m.cache_bytes(state) == 0
     noise = torch.cat([torch.randn(9, K * HT), rows[-1:]])
     for other in (rows[-1:], noise):
-        t2, p2, _ = m.draft("ignored", other, 5, 30, 0.0)
+        t2, p2, _ = draft("ignored", other, 5, 30)
         assert torch.equal(t2, tokens) and torch.equal(p2, probs)
     for args in ((torch.randn(1, K * HT), 5, 30), (rows, 6, 30), (rows, 5, 31)):
-        assert not torch.equal(m.draft(None, args[0], args[1], args[2], 0.0)[1], probs)
+        assert not torch.equal(draft(None, *args)[1], probs)
 
 
 def test_dspark_cache_grows_with_context_and_refuses_gaps():
@@ -188,7 +205,17 @@ def test_draft_cost_benchmark_on_a_toy_config():
     from dlite.bench.draft_cost import param_counts, run
     cfg = dataclasses.replace(CFG, gamma=3)
     out = run(cfg, HT, V, context_lengths=(16, 256), rounds=2, warmup=1, threads=1)
-    assert set(out["draft_ms"]) == {"dlite", "dspark"}
+    assert set(out["draft_ms"]) == {"dlite", "dspark"} and "target_step_ms" not in out
+    tcfg = Qwen3Config(vocab_size=V, hidden_size=HT, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=12)
+    small = run(cfg, HT, V, context_lengths=(16,), rounds=2, warmup=1, threads=1,
+                draft_vocab_sizes=(16,), target_config=tcfg)
+    assert set(small["draft_ms"]) == {"dlite", "dspark", "dlite@16", "dspark@16"}
+    assert small["target_step_ms"]["16"] > 0 and set(small["draft_over_target"]["dlite@16"]) == {"16"}
+    arith = small["traffic_arithmetic"]
+    assert arith["kind"].startswith("arithmetic")
+    q4 = arith["qwen3_4b"]["dlite_round_bytes"]
+    assert q4["151936"] - q4["32768"] == 7 * (151936 - 32768) * 2560 * 2
     assert out["draft_cache_bytes"]["dlite"] == {"16": 0, "256": 0}
     assert out["draft_cache_bytes"]["dspark"]["256"] > out["draft_cache_bytes"]["dspark"]["16"]
     counts = param_counts()

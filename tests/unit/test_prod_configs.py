@@ -95,7 +95,8 @@ def test_drafter_size_near_published(name, clean_env):
     dcfg = OmegaConf.to_object(cfg.drafter)
     with torch.device("meta"):  # shapes only: no memory, no weights
         vocab_w = torch.empty(QWEN3_VOCAB, cfg.target.hidden_size)
-        n = param_count(build_drafter(dcfg, vocab_w, vocab_w, QWEN3_VOCAB - 1))
+        ids = torch.arange(dcfg.draft_vocab_size, device="cpu") if dcfg.draft_vocab_size else None
+        n = param_count(build_drafter(dcfg, vocab_w, vocab_w, QWEN3_VOCAB - 1, draft_vocab=ids))
     published = SHAPES[name][1]
     assert abs(n - published) / published < 0.15, f"{name}: {n / 1e9:.3f}B parameters"
 

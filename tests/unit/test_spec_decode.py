@@ -1,7 +1,8 @@
 """Speculative decoding over a tiny random-weight Qwen3 target: greedy output is
-token-identical to plain decoding (random, oracle and half-right drafters; EOS and
-token-budget edges), cache cropping is exact, sampled output follows the target's
-distribution (and the same test catches a wrong residual), the oracle reaches tau =
+token-identical to plain decoding (random, oracle and half-right drafters, and a
+DLite drafter over a draft vocabulary; EOS and token-budget edges), cache cropping is
+exact, sampled output follows the target's distribution (and the same test catches a
+wrong residual; also with a restricted-vocabulary drafter), the oracle reaches tau =
 γ+1, hooks capture exactly the configured layers, and replay grows histories."""
 
 import json
@@ -174,6 +175,53 @@ def test_sampling_follows_the_target_distribution(monkeypatch, wrong_residual):
     pvals = (_pvalue(joint, exact_joint), _pvalue(third, exact_third))
     if wrong_residual:
         assert min(pvals) < 1e-6
+    else:
+        assert min(pvals) > 1e-3
+
+
+def dlite_drafter(target, draft_ids, gamma=GAMMA, layers=(0, 1), seed=0):
+    """A random-weight DLite drafter over a draft vocabulary, with a learned MASK (the
+    tiny target has no spare embedding row): what a SmolLM2 drafter looks like."""
+    from dlite.models import LEARNED_MASK, DrafterConfig, build_drafter
+    cfg = DrafterConfig(gamma=gamma, target_layer_ids=list(layers), hidden_size=32, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                        head_hidden=32, draft_vocab_size=len(draft_ids))
+    torch.manual_seed(seed)
+    return build_drafter(cfg, target.get_input_embeddings().weight.detach(),
+                         target.lm_head.weight.detach(), LEARNED_MASK, torch.tensor(draft_ids)).eval()
+
+
+def test_greedy_is_lossless_with_a_draft_vocabulary(target):
+    """Drafts come from 40 of the 128 tokens (and the plain output uses others), yet
+    the output is the plain output, token for token."""
+    drafter = dlite_drafter(target, list(range(0, 120, 3)))
+    for prompt in PROMPTS:
+        ref, _ = plain_generate(target, prompt, 30)
+        out, rounds = speculative_generate(target, drafter, prompt, 30)
+        assert out == ref and rounds and any(t % 3 for t in ref)
+
+
+@pytest.mark.parametrize("wrong_q", [False, True])
+def test_sampling_is_exact_with_a_draft_vocabulary(monkeypatch, wrong_q):
+    """A drafter restricted to 5 of 8 tokens: its q (renormalised over the 5, zero
+    elsewhere) keeps the rejection rule exact, so sampled output follows the target's
+    distribution, including the 3 tokens it can never propose. The test has teeth: q
+    spread over the target's vocabulary without the id map (draft index i reported as
+    target id i, not draft_ids[i]) is caught."""
+    vocab, prompt = 8, [1, 5, 2, 7]
+    model = tiny_target(vocab=vocab, init=0.1, seed=3)
+    drafter = dlite_drafter(model, [0, 2, 3, 5, 6], gamma=2, layers=(1,), seed=1)
+    if wrong_q:
+        from dlite.models import common
+
+        def unmapped(self, probs):
+            return torch.nn.functional.pad(probs, (0, vocab - probs.shape[-1]))
+        monkeypatch.setattr(common.FrozenVocab, "to_full", unmapped)
+    joint, third = _sampled_counts(model, drafter, prompt, vocab, 400)
+    exact_joint, exact_third = _exact_two_tokens(model, prompt, vocab)
+    pvals = (_pvalue(joint, exact_joint), _pvalue(third, exact_third))
+    if wrong_q:
+        assert min(pvals) < 1e-3
     else:
         assert min(pvals) > 1e-3
 
