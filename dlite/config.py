@@ -211,7 +211,7 @@ ENUMS = {
     "target.dtype": {"float32", "bfloat16", "float16"},
     "target.attn_implementation": {"sdpa", "sdpa_packed_gqa", "eager", "flash_attention_2"},
     "cluster.backend": {"gloo", "nccl"},
-    "eval.turn_pick": {"first", "spread"},
+    "eval.turn_pick": {"first", "spread", "context"},
     "cluster.accelerator": {"cpu", "gpu"},
 }
 POSITIVE = [
@@ -340,6 +340,8 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
     _require(all(x > 0 for x in b) and b == sorted(set(b)), "eval.buckets",
              f"must be positive and strictly increasing, got {b}")
     _require(0 < e.top_p <= 1, "eval.top_p", f"not in (0, 1]: {e.top_p}")
+    _require(e.min_context is None or e.max_context is None or e.min_context <= e.max_context,
+             "eval.min_context", f"{e.min_context} > eval.max_context={e.max_context}")
     lo, hi = e.min_chars or d.min_chars, e.max_chars or d.max_chars
     _require(lo <= hi, "eval.min_chars", f"{lo} > eval.max_chars={hi}")
     _require(e.num_workers is None or e.num_workers > 0, "eval.num_workers",

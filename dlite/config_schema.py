@@ -88,11 +88,14 @@ class EvalConfig:
     max_turns: Optional[int] = None    # assistant turns replayed per trajectory (None: all)
     min_chars: Optional[int] = None  # built-in held-out trajectories' length (None: data.*)
     max_chars: Optional[int] = None
-    turn_pick: str = "first"  # "first" max_turns, or "spread" evenly up to the last (long histories)
+    # "first" max_turns, "spread" evenly up to the last (long histories), or "context"
+    # (spread over the turns whose history is eval.min_context..max_context tokens)
+    turn_pick: str = "first"
     max_context: Optional[int] = None  # longer histories are skipped and counted
+    min_context: Optional[int] = None  # turn_pick "context": pick among min..max_context-token histories
     num_workers: Optional[int] = None  # acceptance replay in parallel (None: cluster.num_workers)
     speed_trajectories: int = 2  # timed alone on one worker, plain vs speculative interleaved
-    threads: int = 1  # torch threads per evaluation worker (plain and speculative alike)
+    threads: int = 1  # torch threads of the timed worker (plain and speculative alike)
 
 
 @dataclass

@@ -10,7 +10,8 @@ from omegaconf import DictConfig
 
 from dlite.config import ConfigError, load_config, to_yaml
 
-DEFAULT_CONFIG = "configs/experiments/tiny.yaml"
+# The real small target (SmolLM2-135M-Instruct); tests and smoke runs pass tiny.yaml.
+DEFAULT_CONFIG = "configs/experiments/smollm2.yaml"
 
 
 def parse_args(

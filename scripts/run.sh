@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
-exec .venv/bin/python -m jobs.pipeline --config configs/experiments/tiny.yaml "$@"
+exec .venv/bin/python -m jobs.pipeline --config configs/experiments/smollm2.yaml "$@"

@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q -rs "$@"
+# --durations: the slowest tests, printed at the end of every run (CI time is a budget).
+exec .venv/bin/python -m pytest -q -rs --durations=15 "$@"

@@ -35,8 +35,11 @@ class EvalArgs:
     top_k: int = 0
     buckets: Sequence[int] = metrics.DEFAULT_BUCKETS
     max_context: Optional[int] = None   # longer histories are skipped (and counted)
+    min_context: Optional[int] = None   # turn_pick "context": the range turns are picked from
     max_turns: Optional[int] = None     # assistant turns per record, None = all
-    turn_pick: str = "first"            # which max_turns: "first" or "spread" (to the last)
+    turn_pick: str = "first"            # which max_turns: "first", "spread" (to the last) or
+    #                                     "context" (spread over the turns whose history is
+    #                                     min_context..max_context tokens)
     seed: int = 0
     warmup: bool = True                 # one untimed short run of each loop first
 
@@ -67,16 +70,25 @@ def pick_turns(n: int, max_turns: Optional[int], how: str = "first") -> List[int
     return sorted({round(k * (n - 1) / (max_turns - 1)) for k in range(max_turns)})
 
 
-def iter_tasks(tokenizer, record: dict, max_turns: Optional[int] = None, how: str = "first") -> Iterator[dict]:
+def iter_tasks(tokenizer, record: dict, max_turns: Optional[int] = None, how: str = "first",
+               context: tuple = (0, None)) -> Iterator[dict]:
     """Yield {"id", "turn", "prompt_ids"} per turn to generate. For `turns` records the
     consumer must set task["reply_ids"] before asking for the next turn (so those are
-    always replayed from the first turn on)."""
+    always replayed from the first turn on). `how="context"` spreads `max_turns` over
+    the turns whose history length lies in `context` = (min, max or None) tokens."""
     rid = record.get("id")
     if "messages" in record:
-        msgs = record["messages"]
+        msgs, tools = record["messages"], record.get("tools")
         turns = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+        if how == "context":
+            lo, hi = context[0] or 0, context[1] or float("inf")
+            prompts = [(n, render_ids(tokenizer, msgs[:t], tools)) for n, t in enumerate(turns)]
+            prompts = [(n, p) for n, p in prompts if lo <= len(p) <= hi]
+            for k in pick_turns(len(prompts), max_turns, "spread"):
+                yield {"id": rid, "turn": prompts[k][0], "prompt_ids": prompts[k][1]}
+            return
         for n in pick_turns(len(turns), max_turns, how):
-            yield {"id": rid, "turn": n, "prompt_ids": render_ids(tokenizer, msgs[:turns[n]], record.get("tools"))}
+            yield {"id": rid, "turn": n, "prompt_ids": render_ids(tokenizer, msgs[:turns[n]], tools)}
         return
     history: List[dict] = []
     for n, user in enumerate(record["turns"][:max_turns]):
@@ -185,7 +197,7 @@ def replay(target, tokenizer, drafter, records: Iterable[dict], args=None, **ove
     eos = eos_ids(target, tokenizer)  # every id the target's generation config stops on
     results, skipped = [], 0
     for rec in records:
-        for task in iter_tasks(tokenizer, rec, a.max_turns, a.turn_pick):
+        for task in iter_tasks(tokenizer, rec, a.max_turns, a.turn_pick, (a.min_context, a.max_context)):
             if a.max_context and len(task["prompt_ids"]) > a.max_context:
                 skipped += 1  # counted, never silently dropped
                 continue

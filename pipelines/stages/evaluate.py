@@ -51,7 +51,8 @@ def method_name(drafter_dir) -> str:
     return "dlite_no_teacher" if arch == "dlite" and conf.get("skip_teacher") else arch
 
 
-def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, temperatures: list) -> dict:
+def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, temperatures: list,
+                threads: int = 1) -> dict:
     """One worker: load the target once, replay `records` with every drafter at every
     temperature; {method: {temperature: (raw results, skipped turns)}}."""
     import torch
@@ -59,8 +60,9 @@ def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, tempera
     from dlite.export import load_drafter
     from dlite.decoding.replay import replay
     cfg = OmegaConf.create(cfg_dict)
-    # Tiny models on shared CPUs time best single-threaded; a real target may not.
-    torch.set_num_threads(cfg.eval.threads)
+    # Acceptance workers share the cores, one thread each; the timed worker runs alone
+    # with eval.threads (tiny targets time best single-threaded, SmolLM2 with 2).
+    torch.set_num_threads(threads)
     model, tok = tgt.load(cfg.target)  # target.dtype / attn_implementation, as collected
     if torch.cuda.is_available():  # a GPU worker (cluster.use_gpu): target and drafters on it
         model = model.to("cuda")
@@ -108,7 +110,7 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     print(f"[evaluate] {len(drafters)} drafters x {len(records)} trajectories x T={temps} "
           f"on {n} workers, then speed on 1 worker", flush=True)
     parts = ray.get([task.remote(conf, drafters, records[i::n], temps) for i in range(n)])
-    speed = ray.get(task.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps))
+    speed = ray.get(task.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps, cfg.eval.threads))
     methods = {name: {**_method_report(cfg, name, parts, speed, temps), "drafter": path}
                for name, path in drafters.items()}
     primary = next(iter(methods))

@@ -39,7 +39,7 @@ def test_train_report(repo_root, tmp_path):
     out = tmp_path / "train.json"
     sizes = ["data.n_train=8", "data.n_heldout=1", "data.max_seq_len=256", "train.batch_size=2",
              "train.steps_teacher=3", "train.steps_align=3", "train.steps_dspark=3", "train.eval_every=0"]
-    r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "train", "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "train", "--config", "configs/experiments/tiny.yaml", "--out", str(out),
                         "--work-dir", str(tmp_path / "work"), *sizes],
                        cwd=repo_root, capture_output=True, text=True, timeout=2700)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -64,7 +64,7 @@ def test_quality_report_with_an_ablation(repo_root, tmp_path, smoke_pipeline):
     out = tmp_path / "quality.json"
     sizes = [*smoke_pipeline, "eval.n_trajectories=1", "eval.min_chars=3000", "eval.max_chars=6000",
              f"run.output_dir={tmp_path / 'runs'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
-    r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "quality", "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "quality", "--config", "configs/experiments/tiny.yaml", "--out", str(out),
                         "--budget", "8", "--ablations", "distill_none", *sizes],
                        cwd=repo_root, capture_output=True, text=True, timeout=2700)
     assert r.returncode == 0, r.stderr[-3000:]

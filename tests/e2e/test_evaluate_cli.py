@@ -37,7 +37,7 @@ def _save_random(cfg, arch, out):
 def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_server):
     dirs = {arch: _save_random(tiny_cfg, arch, tmp_path / arch) for arch in ("dlite", "dspark")}
     out = tmp_path / "eval" / "report.json"
-    r = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--drafter", str(dirs["dlite"]),
+    r = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--config", "configs/experiments/tiny.yaml", "--drafter", str(dirs["dlite"]),
                         "--drafter", f"baseline={dirs['dspark']}", "--out", str(out),
                         "eval.n_trajectories=2", "eval.max_turns=3", "eval.max_new_tokens=24",
                         "eval.temperatures=[0.0,1.0]", "eval.speed_trajectories=1",

@@ -13,7 +13,7 @@ TRAINED = ["teacher", "align", "align_no_teacher", "dspark"]
 
 
 def _run(repo, *args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "jobs.pipeline", *args], cwd=repo,
+    return subprocess.run([sys.executable, "-m", "jobs.pipeline", "--config", "configs/experiments/tiny.yaml", *args], cwd=repo,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -145,7 +145,7 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(ray_session, random_t
     # The job joins this session's Ray as a second driver: its death ends its actors.
     env = {**os.environ, "DLITE_COLLECT_CRASH_AFTER": "1",
            "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
-    p = subprocess.run([sys.executable, "-m", "jobs.collect", "--input", str(src), "--output",
+    p = subprocess.run([sys.executable, "-m", "jobs.collect", "--config", "configs/experiments/tiny.yaml", "--input", str(src), "--output",
                         str(crashed), *over], cwd=repo_root, env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
@@ -184,7 +184,7 @@ def test_systemic_faults_fail_clearly(random_target, tmp_path):
 
 
 def test_jobs_collect_dry_run(repo_root, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "jobs.collect", "--dry-run", "--input",
+    p = subprocess.run([sys.executable, "-m", "jobs.collect", "--config", "configs/experiments/tiny.yaml", "--dry-run", "--input",
                         "builtin:heldout", "--output", str(tmp_path / "o")], cwd=repo_root,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "builtin:heldout" in p.stdout and not (tmp_path / "o").exists()

@@ -28,7 +28,7 @@ def submit(address: str, repo_root: Path, args: list, env: dict, timeout: float 
     cmd = [str(Path(sys.executable).with_name("ray")), "job", "submit", "--address", address,
            "--submission-id", sid, "--working-dir", str(repo_root),
            "--runtime-env-json", json.dumps({**RUNTIME_ENV, "excludes": EXCLUDES}),
-           "--", "python", "-m", "jobs.pipeline", *args]
+           "--", "python", "-m", "jobs.pipeline", "--config", "configs/experiments/tiny.yaml", *args]
     return sid, subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

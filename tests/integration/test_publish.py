@@ -126,13 +126,14 @@ def test_publish_cli_end_to_end(cfg, tmp_path, repo_root, capsys):
     d = make_drafter(cfg, tmp_path / "stage", seed=3)
     rep = report(cfg, 1.2, 1.3)  # tau under gate.min_tau=1.5: registered, never production
     (tmp_path / "report.json").write_text(json.dumps(rep))
-    args = [sys.executable, "-m", "jobs.publish", "--drafter", d, "--report", str(tmp_path / "report.json"),
+    args = [sys.executable, "-m", "jobs.publish", "--config", "configs/experiments/tiny.yaml",
+            "--drafter", d, "--report", str(tmp_path / "report.json"),
             "--out", str(tmp_path / "summary.json"), f"tracking.uri={cfg.tracking.uri}",
             f"tracking.experiment={cfg.tracking.experiment}", f"run.output_dir={tmp_path}",
             f"tracking.registered_model={cfg.tracking.registered_model}", "gate.min_tau=1.5"]
     from jobs.publish import main
     assert main(args[3:] + ["--dry-run"]) == 0 and not (tmp_path / "summary.json").exists()
-    assert main(args[3:5] + ["--report", str(tmp_path / "missing.json")] + args[7:]) == 1
+    assert main(args[3:7] + ["--report", str(tmp_path / "missing.json")] + args[9:]) == 1
     out = capsys.readouterr()
     assert "dry run" in out.out and "publish error" in out.err and "missing.json" in out.err
     done = subprocess.run(args, cwd=repo_root, capture_output=True, text=True, timeout=600, check=False)

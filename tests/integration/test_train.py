@@ -83,7 +83,7 @@ def test_teacher_then_align_survives_a_worker_crash(setup, tmp_path, monkeypatch
     # The align job, through its command line; rank 1 exits after step 5.
     monkeypatch.setenv("DLITE_TRAIN_CRASH_AT_STEP", "5")
     from jobs.train import main
-    assert main(["--stage", "align", "--input", shards, "--output", str(tmp_path / "align"),
+    assert main(["--config", "configs/experiments/tiny.yaml", "--stage", "align", "--input", shards, "--output", str(tmp_path / "align"),
                  "--teacher", str(tmp_path / "teacher"), "--parent-run-id", parent, *over,
                  "train.max_failures=1"]) == 0
     assert (tmp_path / "align" / ".crash-marker").exists()  # rank 1 did die once
@@ -172,7 +172,7 @@ def test_anchor_shards_train_the_student_only(setup, tmp_path):
 
 
 def test_jobs_train_dry_run(repo_root, tmp_path):
-    p = subprocess.run([sys.executable, "-m", "jobs.train", "--dry-run", "--stage", "dspark", "--input",
+    p = subprocess.run([sys.executable, "-m", "jobs.train", "--config", "configs/experiments/tiny.yaml", "--dry-run", "--stage", "dspark", "--input",
                         "x", "--output", str(tmp_path / "o")], cwd=repo_root, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0 and "dspark" in p.stdout and not (tmp_path / "o").exists()

@@ -132,6 +132,8 @@ BAD = [  # (overrides, dotted key the error must name)
     (["data.min_chars=100", "data.max_chars=10"], "data.min_chars"),
     (["run.stages=[collect,deploy]"], "run.stages"),
     (["target.dtype=fp8"], "target.dtype"),
+    (["eval.min_context=900", "eval.max_context=800"], "eval.min_context"),
+    (["eval.turn_pick=longest"], "eval.turn_pick"),
     (["target.attn_implementation=flash"], "target.attn_implementation"),
     (["target.path=pypi:no-such-dlite-package"], "target.path"),
 ]
