@@ -121,7 +121,7 @@ class TrackingConfig:
 @dataclass
 class GateConfig:
     min_tau: float = 1.0
-    min_speedup: float = 0.0
+    min_speedup: float = 1.0  # slower than plain decoding: never production
     tolerance: float = 0.02  # allowed relative regression against production
 
 
