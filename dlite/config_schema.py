@@ -50,6 +50,7 @@ class DataConfig:
     length_policy: str = "truncate"  # over max_seq_len: "truncate" | "split" | "drop"
     regenerate: bool = False  # re-generate assistant turns with the target (self-distillation)
     regen_max_new_tokens: int = 256
+    skip_other_files: bool = False  # in an input directory: skip non-trajectory files (else quarantined)
     keep_reasoning: bool = False  # keep thinking/reasoning items as assistant reasoning_content
     records_per_shard: int = 64  # record i goes to shard i // records_per_shard (resume)
     batch_tokens: int = 16384    # token budget of one length-bucketed target forward

@@ -261,7 +261,7 @@ def collect(cfg, input_path: str, output: str, settings: CollectSettings = None)
     t0, st = time.time(), settings or CollectSettings.from_config(cfg)
     tinfo = _check_target(cfg)
     specs, identity = formats.plan_input(_resolve_input(cfg, input_path, output),
-                                         st.records_per_shard)
+                                         st.records_per_shard, bool(cfg.data.skip_other_files))
     plan = make_plan(cfg, st, tinfo["fingerprint"], identity)
     plan_id = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
     store = Store(output)

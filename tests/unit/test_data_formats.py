@@ -121,7 +121,7 @@ def _write_inputs(d):
 
 def test_plan_and_read_cover_every_record_once(tmp_path):
     _write_inputs(tmp_path / "in")
-    specs, ident = formats.plan_input(str(tmp_path / "in"), per_shard=3)
+    specs, ident = formats.plan_input(str(tmp_path / "in"), per_shard=3, skip_other=True)
     assert [s["count"] for s in specs] == [3, 3, 3, 1] and len(ident) == 3
     got = [(i, w, raw) for s in specs for i, w, raw in formats.read_spec(s)]
     assert [i for i, _, _ in got] == list(range(10))
@@ -131,7 +131,13 @@ def test_plan_and_read_cover_every_record_once(tmp_path):
     assert [r.reason for _, _, r in got if isinstance(r, Quarantine)] == ["bad_json", "undecodable"]
     assert [r["id"] for _, _, r in got[4:9]] == ["p0", "p1", "p2", "p3", "p4"]
     # Same plan twice: record -> shard assignment is deterministic.
-    assert formats.plan_input(str(tmp_path / "in"), 3)[0] == specs
+    assert formats.plan_input(str(tmp_path / "in"), 3, skip_other=True)[0] == specs
+    # Unless told to skip them, other files are quarantined records, counted like any.
+    specs, ident = formats.plan_input(str(tmp_path / "in"), per_shard=3)
+    got = [(w, raw) for s in specs for _, w, raw in formats.read_spec(s)]
+    assert len(got) == 11 and len(ident) == 4
+    (other,) = [(w, r) for w, r in got if w == "notes.txt"]
+    assert isinstance(other[1], Quarantine) and other[1].reason == "not_a_trajectory_file"
 
 
 def test_hf_datasets_directory(tmp_path):

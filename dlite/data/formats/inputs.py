@@ -34,7 +34,7 @@ def _kind(p: Path):
     return "parquet" if p.name.endswith(".parquet") else None
 
 
-def _sources(path: Path) -> List[Tuple[str, Path]]:
+def _sources(path: Path, skip_other: bool = False) -> List[Tuple[str, Path]]:
     if path.is_file():
         if _kind(path) is None:
             raise ValueError(f"--input: {path} is not .jsonl/.json/.traj(.json)/.parquet")
@@ -43,10 +43,12 @@ def _sources(path: Path) -> List[Tuple[str, Path]]:
         raise FileNotFoundError(f"--input: no such file or directory {path}")
     if any((path / m).exists() for m in HF_MARKERS):
         return [("hf", path)]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p))
-    if not files:
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    if not any(_kind(p) for p in files):
         raise ValueError(f"--input: no .jsonl/.json/.traj(.json)/.parquet files under {path}")
-    return [(_kind(p), p) for p in files]
+    # Any other file is one quarantined record (`not_a_trajectory_file`), never silently
+    # ignored, unless the user said to skip them (data.skip_other_files).
+    return [(_kind(p) or "other", p) for p in files if _kind(p) or not skip_other]
 
 
 def _jsonl_index(path: Path):
@@ -120,6 +122,8 @@ def _open_source(kind: str, p: Path):
     if kind == "json":
         size = p.stat().st_size
         return "traj", len(_document(str(p), size)), lambda a, b: ["traj", str(p), a, b], size
+    if kind == "other":
+        return kind, 1, lambda a, b: ["other", str(p)], p.stat().st_size
     if kind == "parquet":
         import pyarrow.parquet as pq
         n = pq.ParquetFile(p).metadata.num_rows
@@ -128,16 +132,17 @@ def _open_source(kind: str, p: Path):
     return kind, n, lambda a, b: ["hf", str(p), a, b], n
 
 
-def plan_input(path: str, per_shard: int) -> Tuple[List[dict], List[list]]:
+def plan_input(path: str, per_shard: int, skip_other: bool = False) -> Tuple[List[dict], List[list]]:
     """Shard specs `{"shard", "first_index", "count", "items"}` covering every record in
-    order, and the sources' identity `[kind, path, size]` (for the resume check)."""
+    order, and the sources' identity `[kind, path, size]` (for the resume check). In a
+    directory, files that are not trajectories are quarantined unless `skip_other`."""
     specs, items, index, identity = [], [], 0, []
 
     def close(count):
         specs.append({"shard": len(specs), "first_index": index - count, "count": count,
                       "items": list(items)})
         items.clear()
-    for kind, p in _sources(Path(path)):
+    for kind, p in _sources(Path(path), skip_other):
         reader, n, cut, ident = _open_source(kind, p)
         identity.append([reader, str(p), ident])
         a = 0
@@ -184,6 +189,9 @@ def _read_item(item) -> Iterator[Tuple[str, object]]:
             yield where, copy.deepcopy(raw)
     elif kind == "parquet":
         yield from _read_parquet(path, *item[2:])
+    elif kind == "other":
+        yield path.name, Quarantine("not_a_trajectory_file",
+                                    f"{path}: not .jsonl/.json/.traj(.json)/.parquet (data.skip_other_files=true skips such files)")
     else:
         a, b = item[2:]
         for r, row in enumerate(_hf_dataset(str(path)).select(range(a, b))):
