@@ -38,7 +38,8 @@ def make_checkpoint(d: Path, variant: str) -> Path:
 
 
 def argv(source, name, uri, *extra):
-    return ["--source", str(source), "--once", "--min-age", "0", f"--pipeline-args={CHEAP}",
+    return ["--config", "configs/experiments/tiny.yaml", "--source", str(source), "--once", "--min-age", "0",
+            f"--pipeline-args={CHEAP}",
             f"run.name={name}", f"tracking.uri={uri}", f"tracking.experiment=watch-{name}",
             f"run.output_dir={OUT}", *extra]
 
