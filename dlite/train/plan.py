@@ -136,16 +136,19 @@ def build_model(cfg, plan: StagePlan, vocab: tuple, teacher=None, device=None, d
     return model.to(device or "cpu")
 
 
-def draft_vocab_from_shards(cfg, uri: str, vocab_size: int, held_ids: Optional[List[str]] = None):
+def draft_vocab_from_shards(cfg, uri: str, vocab_size: Optional[int] = None,
+                            held_ids: Optional[List[str]] = None):
     """(draft ids, report) for `drafter.draft_vocab_size`, or (None, {}) when unset: the
     target's supervised next tokens of the training rows of collection `uri` (records
     in `held_ids` left out, as the trainer leaves them out), the special tokens and the
     low-id prior (`dlite.data.draft_vocab`). Deterministic: every rank and every stage
     (teacher, DSpark, student without teacher) gets the same ids. The report has the
-    train coverage and, when `held_ids` are given, the held-out coverage."""
+    train coverage and, when `held_ids` are given, the held-out coverage. `vocab_size`
+    defaults to the target's (read from its config only when a draft vocabulary is set)."""
     n = cfg.drafter.draft_vocab_size
     if n is None:
         return None, {}
+    vocab_size = vocab_size or target_vocab_size(cfg.target)
     import pyarrow.parquet as pq
     m, store, held = shards.read_manifest(uri), shards.Store(uri), set(held_ids or ())
     rows = {True: [], False: []}  # held out? -> rows (input_ids + loss_mask: cheap to read)

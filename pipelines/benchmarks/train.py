@@ -72,7 +72,7 @@ def plain_stage(cfg, stage: str, input_uri: str, teacher: Optional[str] = None,
     vocab = st.load_vocab(cfg.target)
     teacher_model = st.load_teacher(teacher, vocab) if plan.needs_teacher else None
     t = cfg.train
-    draft_ids, _ = st.draft_vocab_from_shards(cfg, input_uri, st.target_vocab_size(cfg.target), inputs.held)
+    draft_ids, _ = st.draft_vocab_from_shards(cfg, input_uri, held_ids=inputs.held)
     engine = PlainEngine(st.build_model(cfg, plan, vocab, teacher_model, draft_ids=draft_ids), t.lr,
                          t.weight_decay, t.grad_clip, t.grad_accum)
     stream = BatchStream(lambda epoch: rows, t.batch_size, cfg.data.anchors_per_seq, cfg.run.seed,

@@ -270,7 +270,7 @@ def train_stage(cfg, stage: str, input_uri: str, output: str, teacher: Optional[
     run_id = tracking.open_child(cfg, label or stage, out, parent_run_id)
     # Chosen once on the driver from this collection's training rows (every rank builds
     # the same model); a student from a teacher keeps the teacher's.
-    draft_ids, vocab_report = st.draft_vocab_from_shards(cfg, input_uri, st.target_vocab_size(cfg.target), inputs.held)
+    draft_ids, vocab_report = st.draft_vocab_from_shards(cfg, input_uri, held_ids=inputs.held)
     if vocab_report:
         tracking.log_metrics(cfg.tracking.uri, run_id, 0, {f"draft_vocab.{k}": v for k, v in vocab_report.items()})
     result = _fit(cfg, plan, stage, out, manifest, run_id, teacher, train_ds, inputs,

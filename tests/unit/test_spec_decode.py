@@ -163,6 +163,14 @@ def _pvalue(counts, probs):
     return chisquare(obs_c, exp_c).pvalue
 
 
+def _pvalues(model, drafter, prompt, vocab, n=400) -> tuple:
+    """Chi-square p-values of n sampled (first two tokens, third token) against the
+    target's exact distributions."""
+    joint, third = _sampled_counts(model, drafter, prompt, vocab, n)
+    exact_joint, exact_third = _exact_two_tokens(model, prompt, vocab)
+    return _pvalue(joint, exact_joint), _pvalue(third, exact_third)
+
+
 @pytest.mark.parametrize("wrong_residual", [False, True])
 def test_sampling_follows_the_target_distribution(monkeypatch, wrong_residual):
     vocab, prompt = 8, [1, 5, 2, 7]
@@ -170,9 +178,7 @@ def test_sampling_follows_the_target_distribution(monkeypatch, wrong_residual):
     drafter = RandomDrafter(model, gamma=2, target_layer_ids=[1], seed=1, scale=4.0)
     if wrong_residual:
         monkeypatch.setattr(verify, "residual_distribution", lambda p, q: q)
-    joint, third = _sampled_counts(model, drafter, prompt, vocab, 400)
-    exact_joint, exact_third = _exact_two_tokens(model, prompt, vocab)
-    pvals = (_pvalue(joint, exact_joint), _pvalue(third, exact_third))
+    pvals = _pvalues(model, drafter, prompt, vocab)
     if wrong_residual:
         assert min(pvals) < 1e-6
     else:
@@ -217,9 +223,7 @@ def test_sampling_is_exact_with_a_draft_vocabulary(monkeypatch, wrong_q):
         def unmapped(self, probs):
             return torch.nn.functional.pad(probs, (0, vocab - probs.shape[-1]))
         monkeypatch.setattr(common.FrozenVocab, "to_full", unmapped)
-    joint, third = _sampled_counts(model, drafter, prompt, vocab, 400)
-    exact_joint, exact_third = _exact_two_tokens(model, prompt, vocab)
-    pvals = (_pvalue(joint, exact_joint), _pvalue(third, exact_third))
+    pvals = _pvalues(model, drafter, prompt, vocab)
     if wrong_q:
         assert min(pvals) < 1e-3
     else:
