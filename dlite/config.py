@@ -19,7 +19,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from dlite.config_schema import STAGES, DLiteConfig  # noqa: F401  (re-exported)
+from dlite.config_schema import BASELINES, HYBRIDS, STAGES, DLiteConfig  # noqa: F401  (re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -212,6 +212,7 @@ ENUMS = {
     "target.attn_implementation": {"sdpa", "sdpa_packed_gqa", "eager", "flash_attention_2"},
     "cluster.backend": {"gloo", "nccl"},
     "eval.turn_pick": {"first", "spread", "context"},
+    "eval.lookup.prefer": {"last", "first"},
     "cluster.accelerator": {"cpu", "gpu"},
 }
 POSITIVE = [
@@ -223,6 +224,8 @@ POSITIVE = [
     "eval.n_trajectories", "eval.max_new_tokens", "eval.threads", "cluster.num_workers",
     "cluster.cpus_per_worker", "data.regen_max_new_tokens", "data.records_per_shard",
     "data.batch_tokens", "data.shuffle_buffer", "data.cache_bytes", "eval.speed_trajectories",
+    "eval.hybrid_min_match", "eval.lookup.min_ngram", "eval.suffix.max_tree_depth",
+    "eval.suffix.max_spec_factor",
 ]
 NULLABLE = {"train.precision", "target.attn_implementation"}  # None: the library's default
 NON_NEGATIVE = [
@@ -346,3 +349,20 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
     _require(lo <= hi, "eval.min_chars", f"{lo} > eval.max_chars={hi}")
     _require(e.num_workers is None or e.num_workers > 0, "eval.num_workers",
              f"must be > 0 (or null), got {e.num_workers}")
+    _check_eval_methods(e)
+
+
+def _check_eval_methods(e: DictConfig) -> None:
+    """Training-free baselines, hybrids and the early-stop threshold of learned drafters."""
+    for key, names, allowed in (("eval.baselines", e.baselines, BASELINES),
+                                ("eval.hybrids", e.hybrids, tuple(HYBRIDS))):
+        bad = [n for n in names if n not in allowed]
+        _require(not bad and len(set(names)) == len(names), key,
+                 f"{list(names)}: each must be one of {list(allowed)}, at most once")
+    _require(0 <= e.draft_stop_prob < 1, "eval.draft_stop_prob", f"not in [0, 1): {e.draft_stop_prob}")
+    _require(e.lookup_gamma is None or e.lookup_gamma > 0, "eval.lookup_gamma",
+             f"must be > 0 (or null), got {e.lookup_gamma}")
+    _require(e.lookup.min_ngram <= e.lookup.max_ngram, "eval.lookup.max_ngram",
+             f"{e.lookup.max_ngram} < eval.lookup.min_ngram={e.lookup.min_ngram}")
+    _require(0 <= e.suffix.min_token_prob <= 1, "eval.suffix.min_token_prob",
+             f"not in [0, 1]: {e.suffix.min_token_prob}")

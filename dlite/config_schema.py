@@ -10,6 +10,10 @@ from dlite.models.config import DrafterConfig
 STAGES = ["collect", "teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"]
 # The stages `jobs.train` runs (align_no_teacher is `align` without its teacher input).
 TRAIN_STAGES = ("teacher", "align", "dspark")
+# Training-free methods an evaluation can add (eval.baselines), and the hybrids of the
+# primary drafter with one of them (eval.hybrids: name -> the method it pairs with).
+BASELINES = ("prompt_lookup", "suffix")
+HYBRIDS = {"hybrid_lookup": "prompt_lookup", "hybrid_suffix": "suffix"}
 
 @dataclass
 class RunConfig:
@@ -79,6 +83,24 @@ class TrainConfig:
 
 
 @dataclass
+class LookupConfig:
+    """Prompt lookup (dlite.decoding.lookup): the longest max_ngram..min_ngram match."""
+    max_ngram: int = 4
+    min_ngram: int = 1
+    prefer: str = "last"  # "last": the most recent occurrence; "first": transformers' choice
+
+
+@dataclass
+class SuffixConfig:
+    """SuffixDecoding (dlite.decoding.suffix, arctic-inference); the authors' defaults."""
+    max_tree_depth: int = 64
+    max_spec_factor: float = 1.0
+    max_spec_offset: float = 0.0
+    min_token_prob: float = 0.1
+    global_tree: bool = True  # also match earlier outputs of the replayed set
+
+
+@dataclass
 class EvalConfig:
     n_trajectories: int = 4
     max_new_tokens: int = 32
@@ -97,6 +119,18 @@ class EvalConfig:
     num_workers: Optional[int] = None  # acceptance replay in parallel (None: cluster.num_workers)
     speed_trajectories: int = 2  # timed alone on one worker, plain vs speculative interleaved
     threads: int = 1  # torch threads of the timed worker (plain and speculative alike)
+    # Learned drafters stop a block before the slot where their own probability that the
+    # block so far is right falls below this (0: always gamma tokens); lossless either way.
+    draft_stop_prob: float = 0.0
+    # Training-free methods replayed beside the drafters: "prompt_lookup", "suffix".
+    baselines: List[str] = field(default_factory=list)
+    # "hybrid_lookup" / "hybrid_suffix": the primary drafter, except in rounds where that
+    # method's match is >= hybrid_min_match tokens (then its proposal is verified).
+    hybrids: List[str] = field(default_factory=list)
+    hybrid_min_match: int = 2
+    lookup_gamma: Optional[int] = None  # tokens a training-free method may propose (None: drafter.gamma)
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
 
 
 @dataclass

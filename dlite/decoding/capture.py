@@ -37,9 +37,8 @@ class LayerCapture:
     def __init__(self, model: nn.Module, layer_ids: List[int]):
         layers = decoder_layers(model)
         bad = [i for i in layer_ids if not 0 <= i < len(layers)]
-        if bad or not layer_ids:
-            raise ValueError(f"target_layer_ids {list(layer_ids)} must be non-empty and within "
-                             f"0..{len(layers) - 1}")
+        if bad:
+            raise ValueError(f"target_layer_ids {list(layer_ids)} must be within 0..{len(layers) - 1}")
         self.model, self.layer_ids = model, list(layer_ids)
         self.last_only = False
         self._outputs: List[Optional[torch.Tensor]] = [None] * len(self.layer_ids)
@@ -64,7 +63,10 @@ class LayerCapture:
         self._handles, self._outputs = [], [None] * len(self.layer_ids)
 
     def features(self) -> torch.Tensor:
-        """[positions, K*H] for batch row 0 of the latest forward (K = len(layer_ids))."""
+        """[positions, K*H] for batch row 0 of the latest forward (K = len(layer_ids));
+        [0, 0] for a drafter that reads no features (it reads tokens: prompt lookup)."""
+        if not self.layer_ids:
+            return torch.zeros(0, 0)
         if any(o is None for o in self._outputs):
             raise RuntimeError("no forward captured yet (or hooks already removed)")
         return torch.cat([o[0] for o in self._outputs], dim=-1)

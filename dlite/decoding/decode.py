@@ -85,7 +85,8 @@ def _extend(out: List[int], tokens: Iterable[int], eos: set, max_new: int) -> bo
 
 def _round(target, drafter, cap, cache, state, feats, anchor: int, t: int, sampling: dict):
     """One draft + verify round. Returns (tokens to emit, accepted a, new features,
-    drafter state, draft_ms, verify_ms)."""
+    drafter state, drafted n, draft_ms, verify_ms). A drafter may propose fewer than
+    gamma tokens, even none (the round is then one plain target step)."""
     dev = _device(target)
     t0 = time.perf_counter()
     tokens, probs, state = drafter.draft(state, feats, anchor, t, sampling["temperature"],
@@ -102,7 +103,8 @@ def _round(target, drafter, cap, cache, state, feats, anchor: int, t: int, sampl
     crop_cache(cache, t + a + 1)
     f = cap.features()
     feats = f[: a + 1] if drafter.needs_history else f[a: a + 1]
-    return tokens[:a].tolist() + [nxt], a, feats, state, (t1 - t0) * 1e3, (t2 - t1) * 1e3
+    return (tokens[:a].tolist() + [nxt], a, feats, state, tokens.numel(), (t1 - t0) * 1e3,
+            (t2 - t1) * 1e3)
 
 
 @torch.inference_mode()
@@ -110,8 +112,8 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, tempe
                          top_p: float = 1.0, top_k: int = 0, eos_ids: Sequence[int] = (),
                          generator: Optional[torch.Generator] = None) -> Tuple[List[int], List[dict]]:
     """Generate up to `max_new_tokens` tokens (stopping after an EOS) with `drafter`.
-    Returns (new token ids, one record per round: context_len, accepted, emitted,
-    draft_ms, verify_ms, other_ms, cache_bytes). The prefill's token is not a round."""
+    Returns (new token ids, one record per round: context_len, accepted, drafted,
+    emitted, draft_ms, verify_ms, other_ms, cache_bytes). The prefill's token is not a round."""
     dev, eos = _device(target), {int(e) for e in eos_ids}
     prompt = _as_ids(prompt_ids, dev)
     out, rounds = [], []
@@ -127,15 +129,17 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, tempe
         done = _extend(out, [anchor], eos, max_new_tokens)
         while not done:
             start = time.perf_counter()
-            emit, a, feats, state, d_ms, v_ms = _round(target, drafter, cap, cache, state, feats,
+            emit, a, feats, state, n, d_ms, v_ms = _round(target, drafter, cap, cache, state, feats,
                                                        anchor, t, sampling)
             n_before = len(out)
             done = _extend(out, emit, eos, max_new_tokens)
             total_ms = (time.perf_counter() - start) * 1e3
-            rounds.append(dict(context_len=t, accepted=a, emitted=len(out) - n_before,
+            rounds.append(dict(context_len=t, accepted=a, drafted=n, emitted=len(out) - n_before,
                                draft_ms=d_ms, verify_ms=v_ms, other_ms=total_ms - d_ms - v_ms,
                                cache_bytes=int(drafter.cache_bytes(state))))
             t, anchor = t + a + 1, emit[-1]
+        if hasattr(drafter, "finish"):  # e.g. SuffixDecoding indexes the whole response
+            drafter.finish(state, out)
     return out, rounds
 
 

@@ -38,11 +38,12 @@ def tau(rounds: List[dict]) -> Optional[float]:
 
 
 def accept_at_k(rounds: List[dict], gamma: int) -> List[Optional[float]]:
-    """Conditional acceptance per block slot k = 1..γ:
-    #rounds with a >= k / #rounds with a >= k-1 (None where the denominator is 0)."""
+    """Conditional acceptance per block slot k = 1..γ: #rounds accepting slot k / #rounds
+    that reached it (a >= k-1 and a draft of >= k tokens; a drafter may propose fewer
+    than γ), None where no round reached slot k."""
     out = []
     for k in range(1, gamma + 1):
-        reached = sum(r["accepted"] >= k - 1 for r in rounds)
+        reached = sum(r["accepted"] >= k - 1 and r.get("drafted", gamma) >= k for r in rounds)
         out.append(sum(r["accepted"] >= k for r in rounds) / reached if reached else None)
     return out
 
@@ -88,6 +89,8 @@ def summarize_rounds(rounds: List[dict], gamma: int,
         "tau_by_bucket": by_bucket(rounds, tau, buckets),
         "accept_at_k_by_bucket": by_bucket(rounds, lambda rs: accept_at_k(rs, gamma), buckets),
         "rounds_by_bucket": by_bucket(rounds, len, buckets),
+        # Mean tokens sent to verification per round (γ unless the drafter stops early).
+        "drafted": _mean([{"d": r.get("drafted", gamma)} for r in rounds], "d"),
         "time_split": time_split(rounds),
         "draft_ms_by_bucket": by_bucket(rounds, lambda rs: _mean(rs, "draft_ms"), buckets),
         "draft_cache_bytes_by_bucket": by_bucket(rounds, lambda rs: _mean(rs, "cache_bytes"), buckets),

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import torch
 from dlite.decoding.decode import _device, crop_cache, new_cache, target_forward
+from dlite.decoding.sequence import AcceptedSequence
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator):
@@ -26,9 +27,8 @@ def _pick(logits: torch.Tensor, temperature: float, generator):
 class TargetAsDrafter:
     """The target itself as a (history-needing) drafter for one prompt.
 
-    It ignores the features and rebuilds the token sequence from successive calls:
-    between two calls the loop accepted `anchor_pos - prev_anchor_pos - 1` tokens, a
-    prefix of this drafter's previous draft. It keeps its own target cache."""
+    It ignores the features and rebuilds the token sequence from successive calls
+    (`AcceptedSequence`). It keeps its own target cache."""
 
     needs_history = True
 
@@ -39,25 +39,12 @@ class TargetAsDrafter:
         self.target_layer_ids = list(target_layer_ids if target_layer_ids is not None else [n_layers - 1])
 
     def new_state(self) -> dict:
-        return dict(cache=new_cache(self.target), seq=list(self.prompt_ids), draft=[], anchor_pos=None)
-
-    def _sequence(self, state: dict, anchor_id: int, anchor_pos: int) -> List[int]:
-        """Tokens at positions 0..anchor_pos (the anchor last)."""
-        seq = state["seq"]
-        if state["anchor_pos"] is not None:
-            a = anchor_pos - state["anchor_pos"] - 1
-            if not 0 <= a <= len(state["draft"]):
-                raise ValueError(f"anchor moved from {state['anchor_pos']} to {anchor_pos} "
-                                 f"with a draft of {len(state['draft'])}")
-            seq = seq + [state["prev_anchor"]] + state["draft"][:a]
-        if len(seq) != anchor_pos:
-            raise ValueError(f"reconstructed {len(seq)} tokens before the anchor, expected {anchor_pos}")
-        return seq
+        return dict(cache=new_cache(self.target), seq=AcceptedSequence(self.prompt_ids))
 
     @torch.no_grad()
     def draft(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
               generator: Optional[torch.Generator] = None):
-        seq, cache = self._sequence(state, anchor_id, anchor_pos), state["cache"]
+        seq, cache = state["seq"].advance(anchor_id, anchor_pos), state["cache"]
         # Cached rows past the accepted prefix belong to rejected drafts: drop them.
         crop_cache(cache, min(cache.get_seq_length(), anchor_pos))
         done = cache.get_seq_length()
@@ -71,7 +58,7 @@ class TargetAsDrafter:
             probs.append(p)
             done, feed = done + feed.shape[0], tok
         draft = torch.cat(tokens)
-        state = dict(state, seq=seq, draft=draft.tolist(), anchor_pos=anchor_pos, prev_anchor=anchor_id)
+        state["seq"].drafted(draft.tolist())
         return draft, torch.stack(probs), state
 
     def cache_bytes(self, state) -> int:

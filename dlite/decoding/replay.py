@@ -202,7 +202,10 @@ def replay(target, tokenizer, drafter, records: Iterable[dict], args=None, **ove
                 skipped += 1  # counted, never silently dropped
                 continue
             if a.warmup and not results:
-                _run_task(target, drafter, task, dataclasses.replace(a, max_new_tokens=4), eos, True, a.seed)
+                # A factory with memory across prompts (SuffixDecoding's tree of earlier
+                # outputs) warms up on a fork, so the warm-up's output cannot leak.
+                warm = drafter.fork() if hasattr(drafter, "fork") else drafter
+                _run_task(target, warm, task, dataclasses.replace(a, max_new_tokens=4), eos, True, a.seed)
             res = _run_task(target, drafter, task, a, eos, len(results) % 2 == 0, a.seed + len(results))
             task["reply_ids"] = res["plain_ids"]
             results.append(res)

@@ -139,6 +139,9 @@ def attach_target(model: nn.Module, cfg, embed_weight: torch.Tensor,
     model.vocab = FrozenVocab(embed_weight, lm_head_weight, mask_token_id, draft_vocab)
     model.target_hidden = embed_weight.shape[1]
     model.feature_dim = len(cfg.target_layer_ids) * model.target_hidden
+    # An inference setting, not a weight (`sample_block`): evaluation sets it from
+    # eval.draft_stop_prob; 0 drafts all gamma slots every round.
+    model.draft_stop_prob = 0.0
 
 
 def init_weights(module: nn.Module, std: float = 0.02):
@@ -225,26 +228,43 @@ def block_layout(batch: dict, gamma: int, mask_token_id: int) -> dict:
 
 
 def sample_block(step, gamma: int, anchor_id: int, temperature: float, device, vocab: FrozenVocab,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, stop_prob: float = 0.0):
     """Walk the block left to right: step(k, prev_token [1] (a target id), state) ->
-    (logits [N], state) over the drafter's vocabulary. Tokens stay on device (no host
-    sync per slot) and come back as target ids.
+    (logits [N], state) over the drafter's vocabulary. Tokens come back as target ids.
 
-    T = 0: argmax of the logits, no softmax anywhere (nothing reads probabilities under
-    greedy verification), probs = None. T > 0: each token is drawn from softmax(logits/T)
-    over the draft vocabulary, and exactly that distribution is returned, spread over
-    the target's vocabulary with zeros outside (`vocab.to_full`) -- the q the
-    rejection rule needs to stay exact."""
+    T = 0: argmax of the logits, probs = None (nothing reads probabilities under greedy
+    verification). T > 0: each token is drawn from softmax(logits/T) over the draft
+    vocabulary, and exactly that distribution is returned, spread over the target's
+    vocabulary with zeros outside (`vocab.to_full`) -- the q the rejection rule needs.
+
+    `stop_prob` > 0: stop before the first slot where the drafter's own probability
+    that the whole block so far is right (the product of each chosen token's
+    probability; at T = 0 under softmax(logits)) falls below it, so fewer than gamma
+    tokens (possibly none) go to verification. On a CPU a verified token costs ~8% of a
+    target step, so not verifying a block that will be rejected is time saved. The
+    decision reads only the drafter's own numbers, so both verification rules stay
+    exact (lossless at T = 0, the target's distribution at T > 0). It costs one host
+    sync per slot; with stop_prob 0 tokens stay on device."""
     prev = torch.tensor([anchor_id], device=device)
-    tokens, probs, state = [], [], None
+    tokens, probs, state, sure = [], [], None, 1.0
     for k in range(gamma):
         logits, state = step(k, prev, state)
         if temperature > 0:
             p = torch.softmax(logits.float() / temperature, dim=-1)
             idx = torch.multinomial(p, 1, generator=generator)
-            probs.append(p)
         else:
             idx = logits.argmax(-1, keepdim=True)
+        if stop_prob > 0:
+            chosen = p[idx] if temperature > 0 else torch.softmax(logits.float(), -1)[idx]
+            sure *= float(chosen)
+            if sure < stop_prob:
+                break
+        if temperature > 0:
+            probs.append(p)
         prev = vocab.to_target(idx)
         tokens.append(prev)
+    if not tokens:  # nothing worth verifying: the round is one plain target step
+        full_v = vocab.lm_head_weight.shape[0]
+        return (torch.empty(0, dtype=torch.long, device=device),
+                None if temperature <= 0 else torch.empty(0, full_v, device=device))
     return torch.cat(tokens), (vocab.to_full(torch.stack(probs)) if probs else None)

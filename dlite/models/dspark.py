@@ -75,7 +75,7 @@ class DSparkDrafter(nn.Module):
         def step(k, prev, _):
             return base[k] + self.markov(self.vocab.embed(prev))[0], None
         tokens, probs = sample_block(step, self.gamma, anchor_id, temperature, feats.device,
-                                     self.vocab, generator)
+                                     self.vocab, generator, self.draft_stop_prob)
         return tokens, probs, state
 
     def cache_bytes(self, state: Optional[HistoryCache]) -> int:

@@ -115,4 +115,5 @@ def draft_tokens(model, h, anchor_id: int, temperature: float, generator=None):
     def step(k, prev, state):
         hk, state = model.head.step(h[:, k], embed_in(model, prev), state)
         return model.backbone.logits(hk, model.vocab.out_weight)[0], state
-    return sample_block(step, model.gamma, anchor_id, temperature, h.device, model.vocab, generator)
+    return sample_block(step, model.gamma, anchor_id, temperature, h.device, model.vocab, generator,
+                        model.draft_stop_prob)

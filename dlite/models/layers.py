@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlite.few_rows import few_rows_linear
 from dlite.models.config import DrafterConfig
 
 
@@ -150,4 +151,5 @@ class Backbone(nn.Module):
         return x
 
     def logits(self, h, lm_head_weight):
-        return F.linear(self.out_proj(self.norm(h)), lm_head_weight)
+        # One slot at a time while drafting: the few-row product is ~3x faster on CPU.
+        return few_rows_linear(self.out_proj(self.norm(h)), lm_head_weight)

@@ -56,13 +56,16 @@ def torch_dtype(target_cfg):
 
 
 def load_model(target_cfg, dtype=None):
-    """The causal LM in the configured dtype and attention kernel, in eval mode."""
+    """The causal LM in the configured dtype and attention kernel, in eval mode, with
+    few-row linear layers (`dlite.few_rows`)."""
     from transformers import AutoModelForCausalLM
     impl = getattr(target_cfg, "attn_implementation", None)
     if impl == "sdpa_packed_gqa":
         from dlite.target import attention  # noqa: F401 (registers it with transformers)
     kw = {"attn_implementation": impl} if impl else {}
     model = AutoModelForCausalLM.from_pretrained(target_dir(target_cfg), dtype=dtype or torch_dtype(target_cfg), **kw)
+    from dlite import few_rows
+    few_rows.install(model)  # few-row products on CPU: a decode step 51 -> 35 ms (SmolLM2, 1K)
     return model.eval()
 
 

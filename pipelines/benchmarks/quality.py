@@ -15,7 +15,9 @@ Settings are chosen on the training run's own validation rows (teacher-forced
 `val_tau`), never on the held-out trajectories the report measures.
 
 The JSON adds to the evaluation report: per-bucket ratios DLite / DSpark, its goals as
-measured booleans, the teacher stage's effect, the draft cost per bucket,
+measured booleans (and, when eval.hybrids are set, whether each hybrid's speedup reaches
+the best of DLite / prompt lookup / suffix in every bucket), the teacher stage's effect,
+the draft cost and speedup per bucket,
 and the target's own accuracy per bucket on the same held-out text (`target_by_bucket`).
 `ablations=` adds the why-table (pipelines.benchmarks.ablations).
 """
@@ -46,7 +48,24 @@ def compare(report: dict, window: int) -> dict:
         "teacher_effect_tau": None if nt is None else ratio(dl["tau"], nt["tau"]),
         "draft_ms_by_bucket": {n: r["draft_ms_by_bucket"] for n, r in m.items()},
         "draft_cache_bytes_by_bucket": {n: r["draft_cache_bytes_by_bucket"] for n, r in m.items()},
+        "speedup_vs_ar_by_bucket": {n: r["speedup_vs_ar_by_bucket"] for n, r in m.items()},
+        **hybrid_goals(m),
     }
+
+
+def hybrid_goals(m: dict) -> dict:
+    """Per hybrid (eval.hybrids): does it reach the best of DLite and the training-free
+    methods (prompt_lookup, suffix) in every context bucket? The goal of issue 19, as a
+    measured boolean, with the buckets where it falls short and by how much."""
+    rivals = [n for n in ("dlite", "prompt_lookup", "suffix") if n in m]
+    out = {}
+    for h in (n for n in m if n.startswith("hybrid_")):
+        mine = m[h]["speedup_vs_ar_by_bucket"] or {}
+        best = {b: max((m[r]["speedup_vs_ar_by_bucket"] or {}).get(b) or 0 for r in rivals) for b in mine}
+        short = {b: round(mine[b] - best[b], 4) for b in mine if (mine[b] or 0) < best[b]}
+        out[f"goal_{h}_ge_best_every_bucket"] = not short if mine else None
+        out[f"{h}_short_of_best_by_bucket"] = short
+    return out
 
 
 def target_by_bucket(cfg, max_len=None) -> dict:

@@ -1,5 +1,6 @@
-"""The evaluation stage on Ray: every drafter a run produced, against the real target,
-on the same held-out prompts.
+"""The evaluation stage on Ray: every drafter a run produced, and the training-free
+methods and hybrids `eval.baselines` / `eval.hybrids` name, against the real target, on
+the same held-out prompts.
 
   acceptance  the held-out trajectories are split over `eval.num_workers` Ray tasks;
               each loads the target once and replays its records with every drafter
@@ -53,12 +54,14 @@ def method_name(drafter_dir) -> str:
 
 def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, temperatures: list,
                 threads: int = 1) -> dict:
-    """One worker: load the target once, replay `records` with every drafter at every
-    temperature; {method: {temperature: (raw results, skipped turns)}}."""
+    """One worker: load the target once, replay `records` with every method (the learned
+    drafters, then eval.baselines and eval.hybrids) at every temperature;
+    {method: {temperature: (raw results, skipped turns)}}."""
     import torch
     from dlite import target as tgt
-    from dlite.export import load_drafter
+    from dlite.decoding.methods import method_builders
     from dlite.decoding.replay import replay
+    from dlite.export import load_drafter
     cfg = OmegaConf.create(cfg_dict)
     # Acceptance workers share the cores, one thread each; the timed worker runs alone
     # with eval.threads (tiny targets time best single-threaded, SmolLM2 with 2).
@@ -67,11 +70,14 @@ def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, tempera
     if torch.cuda.is_available():  # a GPU worker (cluster.use_gpu): target and drafters on it
         model = model.to("cuda")
     embed, lm_head, _ = tgt.shared_vocab(model, tok)
-    out = {}
+    learned = {}
     for name, path in drafters.items():
-        drafter = load_drafter(path, embed, lm_head).to(model.dtype)  # the target's dtype
+        learned[name] = load_drafter(path, embed, lm_head).to(model.dtype)  # the target's dtype
+        learned[name].draft_stop_prob = cfg.eval.draft_stop_prob
+    out = {}
+    for name, build in method_builders(cfg.eval, learned, lm_head.shape[0]).items():
         for t in temperatures:
-            results, skipped, _ = replay(model, tok, drafter, records, cfg.eval, temperature=t)
+            results, skipped, _ = replay(model, tok, build(), records, cfg.eval, temperature=t)
             out.setdefault(name, {})[str(t)] = (results, skipped)
     return out
 
@@ -107,12 +113,14 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     conf = OmegaConf.to_container(cfg, resolve=True)
     gpus = cfg.cluster.gpus_per_worker if cfg.cluster.use_gpu else 0
     task = ray.remote(num_cpus=1, num_gpus=gpus)(_replay_all)
-    print(f"[evaluate] {len(drafters)} drafters x {len(records)} trajectories x T={temps} "
-          f"on {n} workers, then speed on 1 worker", flush=True)
+    extra = [*cfg.eval.baselines, *cfg.eval.hybrids]
+    print(f"[evaluate] {len(drafters)} drafters{' + ' + ', '.join(extra) if extra else ''} x "
+          f"{len(records)} trajectories x T={temps} on {n} workers, then speed on 1 worker", flush=True)
     parts = ray.get([task.remote(conf, drafters, records[i::n], temps) for i in range(n)])
     speed = ray.get(task.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps, cfg.eval.threads))
-    methods = {name: {**_method_report(cfg, name, parts, speed, temps), "drafter": path}
-               for name, path in drafters.items()}
+    names = [*drafters, *cfg.eval.baselines, *cfg.eval.hybrids]  # as `method_builders` orders them
+    methods = {name: {**_method_report(cfg, name, parts, speed, temps), "drafter": drafters.get(name)}
+               for name in names}
     primary = next(iter(methods))
     keep = ("tau", "accept_at_k", "tau_by_bucket", "accept_at_k_by_bucket", "speedup_vs_ar",
             "speedup_vs_ar_by_bucket", "draft_ms_by_bucket", "draft_cache_bytes_by_bucket",

@@ -33,6 +33,23 @@ def _save_random(cfg, arch, out):
     return out
 
 
+def _check_figures(m: dict) -> None:
+    """A method report's figures are the ones its rounds and timings give: tau is the
+    per-bucket taus weighted by their rounds and, when every round drafted all γ slots,
+    1 + the running products of accept_at_k (each the share of rounds reaching slot k);
+    the speedup is the ratio of the tokens/s it reports."""
+    rounds = m["rounds_by_bucket"]
+    assert set(rounds) == set(m["tau_by_bucket"]) and sum(rounds.values()) == m["n_rounds"] > 0
+    assert m["tau"] == pytest.approx(sum(m["tau_by_bucket"][b] * n for b, n in rounds.items()) / m["n_rounds"])
+    if m.get("drafted", m["gamma"]) == m["gamma"]:
+        reach, run = 0.0, 1.0
+        for a in m["accept_at_k"]:
+            run *= a or 0.0
+            reach += run
+        assert m["tau"] == pytest.approx(1 + reach)
+    assert m["speedup_vs_ar"] == pytest.approx(m["tokens_per_s"]["spec"] / m["tokens_per_s"]["plain"])
+
+
 @pytest.mark.timeout(1800)
 def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_server):
     dirs = {arch: _save_random(tiny_cfg, arch, tmp_path / arch) for arch in ("dlite", "dspark")}
@@ -48,10 +65,15 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
     assert list(rep["methods"]) == ["dlite", "baseline"] and rep["primary"] == "dlite"
     for m in rep["methods"].values():
         assert m["lossless"] is True and m["by_temperature"]["0.0"]["lossless"] is True
+        assert m["n_tokens"]["spec"] == m["n_tokens"]["plain"] > 0 and m["n_mismatched_tasks"] == 0
         assert m["n_tasks"] == 6 and m["speed_tasks"] == 3  # 2 x 3 turns; 1 x 3 timed alone
-        assert 1.0 <= m["tau"] <= 8.0 and len(m["accept_at_k"]) == 7
-        assert m["tau_by_bucket"] and m["speedup_vs_ar"] > 0
-        assert set(m["by_temperature"]) == {"0.0", "1.0"}
+        assert len(m["accept_at_k"]) == 7 and set(m["by_temperature"]) == {"0.0", "1.0"}
+        for r in m["by_temperature"].values():
+            _check_figures(r)
+    # Both drafters replayed the same turns: same histories, same plain replies.
+    dl, bl = (rep["methods"][n]["by_temperature"]["0.0"] for n in ("dlite", "baseline"))
+    assert [t["context_len"] for t in dl["per_task"]] == [t["context_len"] for t in bl["per_task"]]
+    assert dl["n_tokens"]["plain"] == bl["n_tokens"]["plain"]
     assert rep["tau"] == rep["methods"]["dlite"]["tau"] and rep["lossless"] is True
     assert rep["config"]["drafter"]["gamma"] == 7 and rep["env"]["torch"]
     assert (out.parent / "report-accept_at_k.png").read_bytes()[:4] == b"\x89PNG"

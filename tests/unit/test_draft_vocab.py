@@ -99,9 +99,19 @@ def test_teacher_hands_mask_and_vocabulary_to_the_student(vocab):
     init_student_from_teacher(student, teacher)
     assert torch.equal(student.vocab.mask_embed, teacher.vocab.mask_embed)
     b = batch()
-    # same vocabulary space: the teacher's softmax is a valid distillation reference
+    # Same vocabulary space: the teacher's softmax over the N draft ids is the reference
+    # as is (all its mass inside N, unlike the target's), with CE only on learnable slots.
+    from dlite.losses import block_targets, dlite_loss
     loss, m = compute_loss(student, b, teacher=teacher)
-    assert torch.isfinite(loss) and "oov_share" in m
+    with torch.no_grad():
+        p_teacher = torch.softmax(teacher.forward_train(b), -1)
+        data, valid = block_targets(b["input_ids"], b["anchors"], CFG.gamma, b["loss_mask"])
+        data = student.vocab.to_draft(data)
+        want, _ = dlite_loss(student.forward_train(b), data, valid, p_teacher, ce_valid=data >= 0)
+    assert p_teacher.shape[-1] == len(IDS) and loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert m["oov_slots"] == int((valid & (data < 0)).sum()) > 0
+    _, own = compute_loss(teacher, b, teacher=teacher)  # nothing lost outside N: all accepted
+    assert own["l1"] < 1e-5 and own["tau_est"] == pytest.approx(CFG.gamma + 1, abs=1e-4)
     with pytest.raises(ValueError, match="draft vocabularies"):
         init_student_from_teacher(make(vocab, "dlite", ids=torch.arange(1, V, 2)), teacher)
     with pytest.raises(ValueError, match="draft vocabularies"):

@@ -1,9 +1,11 @@
-"""Unit tests for dlite.losses: the weighted CE + L1 loss against a hand computation,
-masking of invalid slots, the acceptance estimate, both reference-signal kinds and the
-per-anchor gathering of targets / reference rows."""
+"""Unit tests for dlite.losses: the weighted CE + L1 loss and its per-slot metrics
+against a hand computation and a closed-form two-token example, masking of invalid
+slots, the acceptance estimate, both reference-signal kinds and the per-anchor
+gathering of targets / reference rows."""
 
 import math
 
+import pytest
 import torch
 
 from dlite.losses import (block_targets, dlite_loss, gather_block_rows, position_weights,
@@ -39,8 +41,41 @@ def test_loss_matches_hand_computation_and_has_gradients():
     torch.testing.assert_close(loss, want / wsum)
     loss.backward()
     assert logits.grad.abs().sum() > 0
-    assert len(metrics["loss_at_k"]) == 4 and metrics["valid_slots"] == 12
-    assert 1.0 <= metrics["tau_est"] <= 5.0
+    assert metrics["valid_slots"] == 12 and metrics["valid_blocks"] == 3
+    # The per-slot figures, recomputed: acceptance sum_x min(p, p_ref) averaged over the
+    # blocks, and tau_est = 1 + a_1 + a_1 a_2 + ... (expected accepted length + bonus).
+    p = torch.softmax(logits.detach(), -1)
+    accept = torch.minimum(p, p_ref).sum(-1).mean(0)
+    assert metrics["accept_est_at_k"] == pytest.approx(accept.tolist(), rel=1e-5)
+    assert metrics["tau_est"] == pytest.approx(1 + accept.cumprod(0).sum().item(), rel=1e-5)
+    acc = (logits.detach().argmax(-1) == targets).float().mean(0)
+    assert metrics["acc_at_k"] == pytest.approx(acc.tolist())
+    ce = -torch.log_softmax(logits.detach(), -1).gather(-1, targets[..., None])[..., 0]
+    assert metrics["ce_at_k"] == pytest.approx(ce.mean(0).tolist(), rel=1e-5)
+
+
+def test_loss_closed_form_on_a_two_token_vocabulary():
+    """One block, two slots, V = 2, every figure known in closed form:
+    slot 1: p = (3/4, 1/4), p_ref = (0, 1), target 1: CE ln 4, L1 3/2, accept 1/4, wrong;
+    slot 2: p = p_ref = (1/4, 3/4), target 1: CE ln 4/3, L1 0, accept 1, right."""
+    logits = torch.tensor([[[math.log(3), 0.0], [0.0, math.log(3)]]])
+    p_ref = torch.tensor([[[0.0, 1.0], [0.25, 0.75]]])
+    targets, valid = torch.tensor([[1, 1]]), torch.ones(1, 2, dtype=torch.bool)
+    w2 = math.exp(-1 / 4)
+    slot1, slot2 = 0.1 * math.log(4) + 0.9 * 1.5, 0.1 * math.log(4 / 3)
+    loss, m = dlite_loss(logits, targets, valid, p_ref)
+    assert loss.item() == pytest.approx((slot1 + w2 * slot2) / (1 + w2), rel=1e-5)
+    assert m["loss_at_k"] == pytest.approx([slot1, slot2], rel=1e-5)
+    assert m["l1"] == pytest.approx(0.75, rel=1e-5) and m["acc_at_k"] == [0.0, 1.0]
+    assert m["accept_est_at_k"] == pytest.approx([0.25, 1.0], rel=1e-5)
+    assert m["tau_est"] == pytest.approx(1 + 0.25 + 0.25 * 1.0, rel=1e-5)
+    # Slot 2's token unlearnable (outside a draft vocabulary: target -1): its CE term
+    # drops out, the slot still weighs in the mean (its L1 term, 0 here, stays), and it
+    # never counts as correct.
+    targets[0, 1] = -1
+    loss, m = dlite_loss(logits, targets, valid, p_ref, ce_valid=targets >= 0)
+    assert loss.item() == pytest.approx(slot1 / (1 + w2), rel=1e-5)
+    assert m["ce"] == pytest.approx(math.log(4), rel=1e-5) and m["acc_at_k"] == [0.0, 0.0]
 
 
 def test_invalid_slots_do_not_count():

@@ -1,9 +1,10 @@
 """Speculative decoding over a tiny random-weight Qwen3 target: greedy output is
 token-identical to plain decoding (random, oracle and half-right drafters, and a
-DLite drafter over a draft vocabulary; EOS and token-budget edges), cache cropping is
-exact, sampled output follows the target's distribution (and the same test catches a
-wrong residual; also with a restricted-vocabulary drafter), the oracle reaches tau =
-γ+1, hooks capture exactly the configured layers, and replay grows histories."""
+DLite drafter over a draft vocabulary; EOS and token-budget edges) and each round's
+record matches its drafts and the plain output, cache cropping is exact, sampled
+output follows the target's distribution (and the same test catches a wrong residual;
+also with a restricted-vocabulary drafter), the oracle reaches tau = γ+1, hooks
+capture exactly the configured layers, and replay grows histories."""
 
 import json
 
@@ -42,11 +43,12 @@ PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
 
 
 class HalfRightDrafter(TargetAsDrafter):
-    """The oracle with one slot per block replaced: a mix of partial acceptances."""
+    """The oracle with slot (anchor_pos // γ) % γ of each block wrong: exactly that many
+    drafts pass, and as the anchor moves on every count 0..γ-1 occurs."""
 
     def draft(self, state, feats, anchor_id, anchor_pos, temperature, generator=None):
         tokens, probs, state = super().draft(state, feats, anchor_id, anchor_pos, temperature, generator)
-        k = anchor_pos % self.gamma
+        k = (anchor_pos // self.gamma) % self.gamma
         tokens = tokens.clone()
         tokens[k] = (tokens[k] + 1) % probs.shape[-1]
         return tokens, probs, state
@@ -91,19 +93,48 @@ def test_cropped_cache_matches_a_fresh_forward(target):
     assert torch.allclose(nxt, fresh, atol=1e-5)
 
 
+class Recorded:
+    """A drafter whose drafts are kept, so each round's accepted count can be recomputed."""
+
+    def __init__(self, inner):
+        self.inner, self.drafts = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def draft(self, *args, **kw):
+        tokens, probs, state = self.inner.draft(*args, **kw)
+        self.drafts.append(tokens.tolist())
+        return tokens, probs, state
+
+
 @pytest.mark.parametrize("name", DRAFTERS)
-def test_greedy_is_lossless_and_tau_in_range(target, name):
+def test_greedy_is_lossless_and_rounds_add_up(target, name):
+    """Output equals plain decoding, and every round record is what it claims: its
+    accepted count is the length of its drafts' agreement with the plain output after
+    the anchor, the next round starts right after it, and the emitted tokens add up."""
     for prompt in PROMPTS:
-        ref, _ = plain_generate(target, prompt, 30)
-        out, rounds = speculative_generate(target, DRAFTERS[name](target, prompt), prompt, 30)
-        assert out == ref
-        assert 1 <= tau(rounds) <= GAMMA + 1
-        first = len(prompt)
-        assert [r["context_len"] for r in rounds[:2]] == [first, first + rounds[0]["accepted"] + 1]
+        longer, _ = plain_generate(target, prompt, 30 + GAMMA + 1)  # the last round sees past 30
+        drafter = Recorded(DRAFTERS[name](target, prompt))
+        out, rounds = speculative_generate(target, drafter, prompt, 30)
+        assert out == longer[:30]
+        t = len(prompt)
+        for r, d in zip(rounds, drafter.drafts, strict=True):
+            n = t - len(prompt)                                  # out[n] is the anchor
+            agree = next((j for j in range(len(d)) if d[j] != longer[n + 1 + j]), len(d))
+            assert (r["context_len"], r["accepted"]) == (t, agree)
+            t += agree + 1
+        assert [r["emitted"] for r in rounds[:-1]] == [r["accepted"] + 1 for r in rounds[:-1]]
+        assert sum(r["emitted"] for r in rounds) == len(out) - 1  # the prefill's token is no round
+        # tau = 1 + sum_k P(a >= k), and P(a >= k) is the product of the conditional rates
+        rates = torch.tensor([a or 0.0 for a in accept_at_k(rounds, GAMMA)], dtype=torch.float64)
+        assert tau(rounds) == pytest.approx(1 + rates.cumprod(0).sum().item())
         if name == "oracle":
             assert tau(rounds) == GAMMA + 1 and accept_at_k(rounds, GAMMA) == [1.0] * GAMMA
         if name == "half_right":
-            assert 1 < tau(rounds) < GAMMA + 1
+            got = [r["accepted"] for r in rounds]
+            assert got == [(r["context_len"] // GAMMA) % GAMMA for r in rounds]
+            assert set(got) == set(range(GAMMA))
 
 
 def test_a_broken_crop_breaks_losslessness(target, monkeypatch):

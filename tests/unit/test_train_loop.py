@@ -11,6 +11,7 @@ from dlite import target as tgt
 from dlite.config import load_config
 from dlite.models import build_drafter
 from dlite.decoding.decode import plain_generate, speculative_generate
+from dlite.losses import block_targets, dlite_loss
 from dlite.corpus import trajectories as corpus
 from dlite.train.data import collate, epoch_batches, inprocess_rows
 from dlite.train.loop import LoopConfig, train_loop
@@ -66,12 +67,25 @@ def test_training_learns_and_stays_lossless(setup):
 
 
 def test_teacher_reference_distils(setup):
+    """With a teacher the reference is the teacher's softmax on the same batch: the loss
+    is the hand-built loss against that distribution, only the student gets gradients,
+    and a student distilled from itself has nothing left to learn (L1 0, tau_est γ+1)."""
     cfg, model, tok, rows = setup
     teacher, student = _drafter(cfg, model, tok, "teacher"), _drafter(cfg, model, tok)
     batch = collate(rows[:2])
-    loss_t, _ = compute_loss(student, batch, teacher=teacher)
-    loss_r, _ = compute_loss(student, batch)
-    assert torch.isfinite(loss_t) and loss_t.item() != pytest.approx(loss_r.item())
+    loss, m = compute_loss(student, batch, teacher=teacher)
+    targets, valid = block_targets(batch["input_ids"], batch["anchors"], student.gamma,
+                                   batch.get("loss_mask"), batch.get("anchor_mask"), batch.get("seq_ids"))
+    with torch.no_grad():
+        p_teacher = torch.softmax(teacher.forward_train(batch).float(), -1)
+        want, _ = dlite_loss(student.forward_train(batch), targets, valid, p_teacher)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5) and m["l1"] > 1e-2
+    loss.backward()
+    assert all(p.grad is None for p in teacher.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
+    with torch.no_grad():
+        own, m_own = compute_loss(student, batch, teacher=student, ce_weight=0.0)
+    assert own.item() < 1e-5 and m_own["tau_est"] == pytest.approx(student.gamma + 1, abs=1e-4)
 
 
 # ---------------------------------------------------------------- no target needed
@@ -144,11 +158,15 @@ def test_validate_pools_batches_like_one_batch():
     rows = [{**r, "ref_hidden": torch.randn(40, 4).numpy()} for r in _rows(4)]
     rows = [{**r, "features": r["features"][:, :8], "anchors": [21, 25, 30]} for r in rows]
     one = compute_loss(model, collate(rows))[1]
-    pooled = validate(model.train(), [collate(rows[:2]), collate(rows[2:])])
+    # Batches of 1 and 3 rows: an unweighted mean over batches would not match.
+    pooled = validate(model.train(), [collate(rows[:1]), collate(rows[1:])])
     assert model.training  # restored
+    accept = [pooled[f"val_accept_at_k_{k}"] for k in (1, 2, 3)]
+    assert accept == pytest.approx(one["accept_est_at_k"], rel=1e-5) and "val_accept_at_k_4" not in pooled
+    a1, a2, a3 = accept
+    assert pooled["val_tau"] == pytest.approx(1 + a1 + a1 * a2 + a1 * a2 * a3, rel=1e-6)
     assert pooled["val_tau"] == pytest.approx(one["tau_est"], rel=1e-5)
     assert pooled["val_loss"] == pytest.approx(one["loss"], rel=1e-5)
-    assert 1.0 <= pooled["val_tau"] <= 4.0 and len([k for k in pooled if "accept_at_k" in k]) == 3
 
 
 def test_load_vocab_reads_only_what_drafters_share(setup):

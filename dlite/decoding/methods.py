@@ -1,0 +1,61 @@
+"""The decoding methods an evaluation compares, built from the `eval` config section:
+the learned drafters it is given, the training-free baselines (`eval.baselines`:
+`prompt_lookup`, `suffix`) and hybrids of a history-free drafter with one of them
+(`eval.hybrids`: `hybrid_lookup`, `hybrid_suffix`; the lookup's proposal when its match
+is >= `eval.hybrid_min_match` tokens, else the drafter's block).
+
+Each method is a builder: `build() -> drafter or factory prompt_ids -> drafter`. A
+builder is called once per replay, so SuffixDecoding's global tree of earlier outputs
+starts empty for every (method, temperature) replay and only ever holds outputs of
+turns replayed before the current one."""
+
+import functools
+from typing import Callable, Dict
+
+from dlite.config_schema import HYBRIDS
+from dlite.decoding.lookup import HybridDrafter, PromptLookupDrafter
+
+
+def _lookup(ev, vocab_size: int, gamma: int):
+    lk = ev.lookup
+    return functools.partial(PromptLookupDrafter, vocab_size=vocab_size, gamma=gamma,
+                             max_ngram=lk.max_ngram, min_ngram=lk.min_ngram, prefer=lk.prefer)
+
+
+def _suffix(ev, vocab_size: int, gamma: int):
+    from dlite.decoding.suffix import SuffixDecoding  # needs the native module
+    sx = ev.suffix
+    return SuffixDecoding(vocab_size, gamma=gamma, max_tree_depth=sx.max_tree_depth,
+                          max_spec_factor=sx.max_spec_factor, max_spec_offset=sx.max_spec_offset,
+                          min_token_prob=sx.min_token_prob, global_tree=sx.global_tree)
+
+
+_TOKEN_DRAFTERS = {"prompt_lookup": _lookup, "suffix": _suffix}
+
+
+def _hybrid(model, token_factory, min_match: int):
+    """Factory prompt_ids -> HybridDrafter sharing `token_factory`'s state (a suffix
+    cache's global tree) across prompts."""
+    def make(prompt_ids):
+        return HybridDrafter(model, token_factory(prompt_ids), min_match)
+    if hasattr(token_factory, "fork"):
+        make.fork = lambda: _hybrid(model, token_factory.fork(), min_match)
+    return make
+
+
+def method_builders(ev, learned: Dict[str, object], vocab_size: int) -> Dict[str, Callable]:
+    """{name: builder} for the learned drafters (given, already loaded), then the
+    baselines, then the hybrids (each over the primary -- first -- learned drafter).
+    Training-free drafters propose up to `eval.lookup_gamma` tokens (default: the
+    primary drafter's gamma)."""
+    primary = next(iter(learned.values()), None)
+    gamma = ev.lookup_gamma or (primary.gamma if primary is not None else 7)
+    out = {name: (lambda d=d: d) for name, d in learned.items()}
+    for name in ev.baselines:
+        out[name] = functools.partial(_TOKEN_DRAFTERS[name], ev, vocab_size, gamma)
+    for name in ev.hybrids:
+        if primary is None:
+            raise ValueError(f"eval.hybrids: {name} needs a learned drafter to pair with")
+        make = _TOKEN_DRAFTERS[HYBRIDS[name]]
+        out[name] = lambda make=make: _hybrid(primary, make(ev, vocab_size, gamma), ev.hybrid_min_match)
+    return out
