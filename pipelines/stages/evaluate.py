@@ -105,6 +105,10 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     from dlite.envinfo import env_info
     if not drafters:
         raise ValueError("evaluate: no drafters to evaluate")
+    clash = set(drafters) & {*cfg.eval.baselines, *cfg.eval.hybrids}
+    if clash:
+        raise ValueError(f"evaluate: drafter name(s) {sorted(clash)} are eval.baselines / eval.hybrids "
+                         f"methods too: name the drafter otherwise (NAME=DIR)")
     drafters = {n: str(Path(d).resolve()) for n, d in sorted(drafters.items(), key=lambda kv: _rank(kv[0]))}
     _check_dtype(cfg, drafters)
     records, temps = heldout_records(cfg), sorted({float(t) for t in cfg.eval.temperatures})

@@ -1,6 +1,7 @@
 """`python -m jobs.evaluate` on the embedded target with two drafter artifacts saved to
-disk (random-weight DLite and DSpark-style; a trained one in tests/unit/test_train_loop):
-one Ray evaluation of both on the same prompts, greedy speculative decoding token-for-
+disk (random-weight DLite and DSpark-style; a trained one in tests/unit/test_train_loop)
+plus the training-free baselines (prompt lookup, SuffixDecoding) and the hybrid of
+DLite with SuffixDecoding: one Ray evaluation of all on the same prompts, greedy speculative decoding token-for-
 token identical to plain decoding over multi-turn trajectories, the report's DLITE.md §4
 metrics per method, plots, and an `evaluate` run on a real MLflow server."""
 
@@ -58,22 +59,27 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
                         "--drafter", f"baseline={dirs['dspark']}", "--out", str(out),
                         "eval.n_trajectories=2", "eval.max_turns=3", "eval.max_new_tokens=24",
                         "eval.temperatures=[0.0,1.0]", "eval.speed_trajectories=1",
+                        "eval.baselines=[prompt_lookup,suffix]", "eval.hybrids=[hybrid_suffix]",
                         f"tracking.uri={mlflow_server}", "tracking.experiment=evaluate-cli"],
                        cwd=repo_root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rep = json.loads(out.read_text())
-    assert list(rep["methods"]) == ["dlite", "baseline"] and rep["primary"] == "dlite"
+    assert list(rep["methods"]) == ["dlite", "baseline", "prompt_lookup", "suffix", "hybrid_suffix"]
+    assert rep["primary"] == "dlite" and rep["methods"]["suffix"]["drafter"] is None
     for m in rep["methods"].values():
         assert m["lossless"] is True and m["by_temperature"]["0.0"]["lossless"] is True
         assert m["n_tokens"]["spec"] == m["n_tokens"]["plain"] > 0 and m["n_mismatched_tasks"] == 0
         assert m["n_tasks"] == 6 and m["speed_tasks"] == 3  # 2 x 3 turns; 1 x 3 timed alone
         assert len(m["accept_at_k"]) == 7 and set(m["by_temperature"]) == {"0.0", "1.0"}
+        assert 0 <= m["drafted"] <= 7
         for r in m["by_temperature"].values():
             _check_figures(r)
-    # Both drafters replayed the same turns: same histories, same plain replies.
-    dl, bl = (rep["methods"][n]["by_temperature"]["0.0"] for n in ("dlite", "baseline"))
-    assert [t["context_len"] for t in dl["per_task"]] == [t["context_len"] for t in bl["per_task"]]
-    assert dl["n_tokens"]["plain"] == bl["n_tokens"]["plain"]
+    # Every method replayed the same turns: same histories, same plain replies.
+    greedy = [m["by_temperature"]["0.0"] for m in rep["methods"].values()]
+    assert len({tuple(t["context_len"] for t in g["per_task"]) for g in greedy}) == 1
+    assert len({g["n_tokens"]["plain"] for g in greedy}) == 1
+    # Training-free methods draft only where the context repeats: fewer than gamma.
+    assert rep["methods"]["prompt_lookup"]["drafted"] < 7 and rep["methods"]["dlite"]["drafted"] == 7
     assert rep["tau"] == rep["methods"]["dlite"]["tau"] and rep["lossless"] is True
     assert rep["config"]["drafter"]["gamma"] == 7 and rep["env"]["torch"]
     assert (out.parent / "report-accept_at_k.png").read_bytes()[:4] == b"\x89PNG"
@@ -85,5 +91,7 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
     assert run.info.status == "FINISHED"
     assert run.data.metrics["dlite.greedy.tau"] == pytest.approx(rep["tau"])
     assert "baseline.t1.accept_at_k.1" in run.data.metrics
+    assert run.data.metrics["suffix.greedy.tau"] == pytest.approx(rep["methods"]["suffix"]["tau"])
+    assert run.data.metrics["hybrid_suffix.lossless"] == 1.0
     arts = {a.path for a in c.list_artifacts(run.info.run_id, "evaluation")}
     assert {"evaluation/report.json", "evaluation/accept_at_k.png", "evaluation/tau_by_bucket.png"} <= arts
