@@ -81,7 +81,8 @@ def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
     per_slot = ce_weight * ce + l1_weight * l1                       # [N, g]
     w = position_weights(g, decay, logits.device)[None] * valid
     loss = (per_slot * w).sum() / w.sum().clamp_min(1e-12)
-    return loss, _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid, ce_on)
+    m = _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid, ce_on)
+    return loss, {**m, "loss_weight": float(w.sum())}  # what pools `loss` over batches
 
 
 @torch.no_grad()
@@ -102,5 +103,6 @@ def _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid, ce_on) ->
             "ce_at_k": ((ce * ce_on).sum(0) / n_ce).tolist(),
             "acc_at_k": slot(logits.argmax(-1) == targets),
             "accept_est_at_k": accept, "tau_est": tau, "valid_slots": int(valid.sum().item()),
+            "valid_at_k": valid.sum(0).long().tolist(),  # what pools accept_est_at_k
             "valid_blocks": int((valid.sum(-1) > 0).sum().item())}
 

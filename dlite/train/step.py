@@ -63,25 +63,27 @@ def compute_loss(model, batch: dict, teacher=None, ce_weight: float = 0.1,
 def validate(model, batches) -> dict:
     """Teacher-forced validation against the target over fixed batches (stored anchors):
     `val_loss`, per-slot `val_accept_at_k_j` and `val_tau` = expected accepted length
-    built from them -- the same estimate as `tau_est`, pooled over all batches with
-    each batch weighted by its valid slots; with a draft vocabulary also `val_oov_share`
-    (valid slots whose data token lies outside it)."""
+    built from them -- exactly the one-batch `tau_est` / loss of all batches together:
+    slot k's acceptance pooled by its valid count, the loss by its position weights;
+    with a draft vocabulary also `val_oov_share` (valid slots whose data token lies
+    outside it)."""
     was_training, model = model.training, model.eval()
-    w_sum, loss_sum, accept, oov = 0.0, 0.0, None, 0
+    w_sum, loss_sum, slots, accept, n_at_k, oov = 0.0, 0.0, 0, None, None, 0
     for batch in batches:
         _, m = compute_loss(model, batch)
-        w = float(m["valid_slots"])
-        loss_sum, w_sum, oov = loss_sum + m["loss"] * w, w_sum + w, oov + m.get("oov_slots", 0)
-        a = torch.tensor(m["accept_est_at_k"]) * w
-        accept = a if accept is None else accept + a
+        loss_sum, w_sum = loss_sum + m["loss"] * m["loss_weight"], w_sum + m["loss_weight"]
+        slots, oov = slots + m["valid_slots"], oov + m.get("oov_slots", 0)
+        n = torch.tensor(m["valid_at_k"], dtype=torch.float64)
+        a = torch.tensor(m["accept_est_at_k"], dtype=torch.float64) * n
+        accept, n_at_k = (a, n) if accept is None else (accept + a, n_at_k + n)
     model.train(was_training)
-    if not w_sum:
+    if not slots:
         raise ValueError("validation batches hold no valid slot")
-    accept = (accept / w_sum).tolist()
+    accept = (accept / n_at_k.clamp_min(1)).tolist()
     tau, run = 1.0, 1.0
     for a in accept:
         run *= a
         tau += run
-    extra = {} if model.vocab.draft_ids is None else {"val_oov_share": oov / w_sum}
+    extra = {} if model.vocab.draft_ids is None else {"val_oov_share": oov / slots}
     return {"val_loss": loss_sum / w_sum, "val_tau": tau, **extra,
             **{f"val_accept_at_k_{i + 1}": a for i, a in enumerate(accept)}}

@@ -157,7 +157,11 @@ def test_validate_pools_batches_like_one_batch():
                                         head_hidden=16), vocab, vocab.clone(), 63)
     rows = [{**r, "ref_hidden": torch.randn(40, 4).numpy()} for r in _rows(4)]
     rows = [{**r, "features": r["features"][:, :8], "anchors": [21, 25, 30]} for r in rows]
+    # Row 0's blocks run past its 40 tokens: its batch has fewer valid late slots, so a
+    # pooling by valid slots overall (not per slot) would not match either.
+    rows[0] = {**rows[0], "anchors": [36, 37, 38]}
     one = compute_loss(model, collate(rows))[1]
+    assert one["valid_at_k"][0] > one["valid_at_k"][2]
     # Batches of 1 and 3 rows: an unweighted mean over batches would not match.
     pooled = validate(model.train(), [collate(rows[:1]), collate(rows[1:])])
     assert model.training  # restored
