@@ -85,6 +85,16 @@ def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
     return loss, {**m, "loss_weight": float(w.sum())}  # what pools `loss` over batches
 
 
+def expected_tau(accept_at_k) -> float:
+    """Expected accepted length incl. the bonus token from per-slot acceptance rates:
+    1 + a1 + a1*a2 + ... (a slot counts only if every earlier one was accepted)."""
+    tau, run = 1.0, 1.0
+    for a in accept_at_k:
+        run *= a
+        tau += run
+    return tau
+
+
 @torch.no_grad()
 def _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid, ce_on) -> dict:
     """Per-slot means over valid slots (CE: over `ce_on` slots), as Python floats ready
@@ -92,10 +102,7 @@ def _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid, ce_on) ->
     n = valid.sum(0).clamp_min(1)
     slot = lambda t: ((t.float() * valid).sum(0) / n).tolist()
     accept = slot(torch.minimum(p, p_ref.float()).sum(-1))
-    tau, run = 1.0, 1.0
-    for a in accept:                       # expected accepted length incl. bonus
-        run *= a
-        tau += run
+    tau = expected_tau(accept)
     nv = valid.sum().clamp_min(1)
     n_ce = ce_on.sum(0).clamp_min(1)
     return {"loss": loss.item(), "ce": ((ce * ce_on).sum() / ce_on.sum().clamp_min(1)).item(),

@@ -6,8 +6,8 @@ teacher run on the same batch."""
 
 import torch
 
-from dlite.losses import (block_targets, dlite_loss, gather_block_rows, ref_probs_from_hidden,
-                          ref_probs_from_topk)
+from dlite.losses import (block_targets, dlite_loss, expected_tau, gather_block_rows,
+                          ref_probs_from_hidden, ref_probs_from_topk)
 
 
 def reference_probs(batch: dict, anchors, gamma: int, vocab, teacher=None) -> torch.Tensor:
@@ -80,10 +80,7 @@ def validate(model, batches) -> dict:
     if not slots:
         raise ValueError("validation batches hold no valid slot")
     accept = (accept / n_at_k.clamp_min(1)).tolist()
-    tau, run = 1.0, 1.0
-    for a in accept:
-        run *= a
-        tau += run
+    tau = expected_tau(accept)
     extra = {} if model.vocab.draft_ids is None else {"val_oov_share": oov / slots}
     return {"val_loss": loss_sum / w_sum, "val_tau": tau, **extra,
             **{f"val_accept_at_k_{i + 1}": a for i, a in enumerate(accept)}}

@@ -14,6 +14,7 @@ artifacts beside the database (`<db dir>/mlartifacts`), not under whatever direc
 the process happens to run in.
 """
 
+import contextlib
 import functools
 import json
 import time
@@ -147,6 +148,23 @@ def log_artifact(uri: str, run_id: str, path, artifact_path: Optional[str] = Non
 
 def finish(uri: str, run_id: str, status: str = "FINISHED") -> None:
     client(uri).set_terminated(run_id, status)
+
+
+@contextlib.contextmanager
+def closing(uri: str, run_id: str):
+    """Yield `run_id`; end the run FINISHED, or FAILED (and re-raise) if the body raises.
+    Every stage's MLflow run is closed through this one place."""
+    try:
+        yield run_id
+    except BaseException:
+        finish(uri, run_id, "FAILED")
+        raise
+    finish(uri, run_id)
+
+
+def child_run(cfg, stage: str, output: Path, parent_run_id: Optional[str]):
+    """`open_child`'s run as a context manager that closes it (`closing`)."""
+    return closing(cfg.tracking.uri, open_child(cfg, stage, output, parent_run_id))
 
 
 def run_link(uri: str, run_id: str) -> str:

@@ -144,13 +144,8 @@ def open_home(cfg, tags: dict) -> tuple:
 @contextmanager
 def child_run(ctx, stage: str, out: Path):
     """A stage's MLflow child run, closed FINISHED or FAILED."""
-    run_id = tracking.open_child(ctx.cfg, stage, out, ctx.parent_run_id)
-    try:
+    with tracking.child_run(ctx.cfg, stage, out, ctx.parent_run_id) as run_id:
         yield run_id
-    except BaseException:
-        tracking.finish(ctx.cfg.tracking.uri, run_id, "FAILED")
-        raise
-    tracking.finish(ctx.cfg.tracking.uri, run_id)
 
 
 @dataclass

@@ -178,8 +178,7 @@ def evaluate_stage(cfg, drafters: Dict[str, str], output, parent_run_id=None) ->
     if (out / REPORT).is_file():
         return json.loads((out / REPORT).read_text())
     uri = cfg.tracking.uri
-    run_id = tracking.open_child(cfg, "evaluate", out, parent_run_id)
-    try:
+    with tracking.child_run(cfg, "evaluate", out, parent_run_id) as run_id:
         report = evaluate(cfg, drafters)
         stage = out / ".staging"  # the report lands in `out` only after it is logged
         stage.mkdir(exist_ok=True)
@@ -189,9 +188,5 @@ def evaluate_stage(cfg, drafters: Dict[str, str], output, parent_run_id=None) ->
         tracking.log_metrics(uri, run_id, 0, metric_items(report))
         for f in [stage / REPORT, *pngs]:
             tracking.log_artifact(uri, run_id, f, "evaluation")
-    except BaseException:
-        tracking.finish(uri, run_id, "FAILED")
-        raise
-    (stage / REPORT).rename(out / REPORT)
-    tracking.finish(uri, run_id)
+        (stage / REPORT).rename(out / REPORT)
     return report

@@ -228,13 +228,8 @@ def publish(cfg, drafter_dir, report: dict, parent_run_id: Optional[str] = None,
     (d / "README.md").write_text(model_card(drafter, card_sections(report, drafter, method, name)))
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     pngs = make_plots(cfg, out, methods, training_runs(cfg, parent_run_id, d, drafter.get("stage")))
-    run_id = open_run(cfg, out, parent_run_id, sha)
-    try:
+    with tracking.closing(cfg.tracking.uri, open_run(cfg, out, parent_run_id, sha)) as run_id:
         summary = _register(cfg, run_id, d, drafter, methods[method], sha, method, out, pngs)
-    except Exception:
-        tracking.finish(cfg.tracking.uri, run_id, "FAILED")
-        raise
-    tracking.finish(cfg.tracking.uri, run_id)
     (out / "publish.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
 

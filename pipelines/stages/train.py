@@ -267,20 +267,19 @@ def train_stage(cfg, stage: str, input_uri: str, output: str, teacher: Optional[
     inputs = split_inputs(cfg, input_uri, heldout, manifest)
     init_ray(cfg)
     train_ds = _dataset(input_uri, inputs, manifest["target_fingerprint"])
-    run_id = tracking.open_child(cfg, label or stage, out, parent_run_id)
-    # Chosen once on the driver from this collection's training rows (every rank builds
-    # the same model); a student from a teacher keeps the teacher's.
-    draft_ids, vocab_report = st.draft_vocab_from_shards(cfg, input_uri, held_ids=inputs.held)
-    if vocab_report:
-        tracking.log_metrics(cfg.tracking.uri, run_id, 0, {f"draft_vocab.{k}": v for k, v in vocab_report.items()})
-    result = _fit(cfg, plan, stage, out, manifest, run_id, teacher, train_ds, inputs,
-                  None if draft_ids is None else draft_ids.tolist())
-    best = _export_best(result, out)
-    summary = {"stage": stage, "plan": plan.__dict__, "run_id": run_id, "steps": result.metrics["step"],
-               "final": result.metrics, "best": best, "drafter": str(out / "drafter"),
-               "checkpoints": str(result.path)}
-    tracking.log_metrics(cfg.tracking.uri, run_id, plan.steps, {"best_val_tau": best.get("val_tau", 0.0)})
-    tracking.finish(cfg.tracking.uri, run_id)
+    with tracking.child_run(cfg, label or stage, out, parent_run_id) as run_id:
+        # Chosen once on the driver from this collection's training rows (every rank builds
+        # the same model); a student from a teacher keeps the teacher's.
+        draft_ids, vocab_report = st.draft_vocab_from_shards(cfg, input_uri, held_ids=inputs.held)
+        if vocab_report:
+            tracking.log_metrics(cfg.tracking.uri, run_id, 0, {f"draft_vocab.{k}": v for k, v in vocab_report.items()})
+        result = _fit(cfg, plan, stage, out, manifest, run_id, teacher, train_ds, inputs,
+                      None if draft_ids is None else draft_ids.tolist())
+        best = _export_best(result, out)
+        summary = {"stage": stage, "plan": plan.__dict__, "run_id": run_id, "steps": result.metrics["step"],
+                   "final": result.metrics, "best": best, "drafter": str(out / "drafter"),
+                   "checkpoints": str(result.path)}
+        tracking.log_metrics(cfg.tracking.uri, run_id, plan.steps, {"best_val_tau": best.get("val_tau", 0.0)})
     (out / DONE).write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
@@ -308,8 +307,4 @@ def _fit(cfg, plan, stage, out: Path, manifest, run_id, teacher, train_ds, input
                 num_to_keep=2, checkpoint_score_attribute="val_tau", checkpoint_score_order="max")),
         datasets={"train": train_ds},
         dataset_config=ray.train.DataConfig(execution_options=opts))
-    try:
-        return trainer.fit()
-    except Exception:
-        tracking.finish(cfg.tracking.uri, run_id, "FAILED")
-        raise
+    return trainer.fit()

@@ -17,6 +17,7 @@ from dlite import target as tgt
 from dlite.config import load_config
 from dlite.export import save_drafter
 from dlite.models import build_drafter
+from tests.report_checks import check_figures
 
 
 @pytest.fixture(scope="module")
@@ -32,23 +33,6 @@ def _save_random(cfg, arch, out):
     drafter = build_drafter(dcfg, *tgt.shared_vocab(model, tok))
     save_drafter(drafter, out, {"target_fingerprint": tgt.fingerprint(cfg.target)["id"]})
     return out
-
-
-def _check_figures(m: dict) -> None:
-    """A method report's figures are the ones its rounds and timings give: tau is the
-    per-bucket taus weighted by their rounds and, when every round drafted all γ slots,
-    1 + the running products of accept_at_k (each the share of rounds reaching slot k);
-    the speedup is the ratio of the tokens/s it reports."""
-    rounds = m["rounds_by_bucket"]
-    assert set(rounds) == set(m["tau_by_bucket"]) and sum(rounds.values()) == m["n_rounds"] > 0
-    assert m["tau"] == pytest.approx(sum(m["tau_by_bucket"][b] * n for b, n in rounds.items()) / m["n_rounds"])
-    if m.get("drafted", m["gamma"]) == m["gamma"]:
-        reach, run = 0.0, 1.0
-        for a in m["accept_at_k"]:
-            run *= a or 0.0
-            reach += run
-        assert m["tau"] == pytest.approx(1 + reach)
-    assert m["speedup_vs_ar"] == pytest.approx(m["tokens_per_s"]["spec"] / m["tokens_per_s"]["plain"])
 
 
 @pytest.mark.timeout(1800)
@@ -73,7 +57,7 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
         assert len(m["accept_at_k"]) == 7 and set(m["by_temperature"]) == {"0.0", "1.0"}
         assert 0 <= m["drafted"] <= 7
         for r in m["by_temperature"].values():
-            _check_figures(r)
+            check_figures(r)
     # Every method replayed the same turns: same histories, same plain replies.
     greedy = [m["by_temperature"]["0.0"] for m in rep["methods"].values()]
     assert len({tuple(t["context_len"] for t in g["per_task"]) for g in greedy}) == 1

@@ -9,25 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.report_checks import check_figures
 
 TRAINED = ["teacher", "align", "align_no_teacher", "dspark"]
-
-
-def _check_figures(m: dict) -> None:
-    """A method report's figures are the ones its rounds and timings give: tau is the
-    per-bucket taus weighted by their rounds and, when every round drafted all γ slots,
-    1 + the running products of accept_at_k (each the share of rounds reaching slot k);
-    the speedup is the ratio of the tokens/s it reports."""
-    rounds = m["rounds_by_bucket"]
-    assert set(rounds) == set(m["tau_by_bucket"]) and sum(rounds.values()) == m["n_rounds"] > 0
-    assert m["tau"] == pytest.approx(sum(m["tau_by_bucket"][b] * n for b, n in rounds.items()) / m["n_rounds"])
-    if m.get("drafted", m["gamma"]) == m["gamma"]:
-        reach, run = 0.0, 1.0
-        for a in m["accept_at_k"]:
-            run *= a or 0.0
-            reach += run
-        assert m["tau"] == pytest.approx(1 + reach)
-    assert m["speedup_vs_ar"] == pytest.approx(m["tokens_per_s"]["spec"] / m["tokens_per_s"]["plain"])
 
 
 def _run(repo, *args, timeout=600):
@@ -81,7 +65,7 @@ def test_pipeline_runs_every_stage(pipeline_run, mlflow_server):
                         "tau_by_bucket": m["tau_by_bucket"]}
         assert m["n_tokens"]["spec"] == m["n_tokens"]["plain"] > 0 and m["n_mismatched_tasks"] == 0
         for r in m["by_temperature"].values():
-            _check_figures(r)
+            check_figures(r)
     assert "plain decoding" in first.stdout and "MLflow run: http://" in first.stdout
     assert s["results"]["publish"]["version"]
 
