@@ -54,12 +54,26 @@ def _one_hot_probs(tokens: torch.Tensor, vocab_size: int, temperature: float):
     return q.scatter_(1, tokens[:, None], 1.0)
 
 
-class PromptLookupDrafter:
-    """Prompt lookup for one prompt (make one per prompt; `replay` takes a factory
-    prompt_ids -> drafter). Reads tokens only: no target layers, no cache."""
+class TokenDrafter:
+    """What every drafter that reads tokens rather than features shares: `draft` is its
+    `propose(state, anchor_id, anchor_pos) -> (tokens, match length)` recorded in the
+    state's `AcceptedSequence`, with a one-hot q at T > 0. No target layers."""
 
     needs_history = False
     target_layer_ids: List[int] = []
+    vocab_size: int
+
+    def draft(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
+              generator: Optional[torch.Generator] = None):
+        proposal, _ = self.propose(state, anchor_id, anchor_pos)
+        state.drafted(proposal)
+        tokens = torch.tensor(proposal, dtype=torch.long)
+        return tokens, _one_hot_probs(tokens, self.vocab_size, temperature), state
+
+
+class PromptLookupDrafter(TokenDrafter):
+    """Prompt lookup for one prompt (make one per prompt; `replay` takes a factory
+    prompt_ids -> drafter). Reads tokens only: no target layers, no cache."""
 
     def __init__(self, prompt_ids: Sequence[int], vocab_size: int, gamma: int = 7,
                  max_ngram: int = 4, min_ngram: int = 1, prefer: str = "last"):
@@ -78,13 +92,6 @@ class PromptLookupDrafter:
         """Advance the sequence to the anchor and return (proposal, match length)."""
         ids = torch.tensor(state.advance(anchor_id, anchor_pos) + [int(anchor_id)])
         return lookup_proposal(ids, self.gamma, self.max_ngram, self.min_ngram, self.prefer)
-
-    def draft(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
-              generator: Optional[torch.Generator] = None):
-        proposal, _ = self.propose(state, anchor_id, anchor_pos)
-        state.drafted(proposal)
-        tokens = torch.tensor(proposal, dtype=torch.long)
-        return tokens, _one_hot_probs(tokens, self.vocab_size, temperature), state
 
     def cache_bytes(self, state) -> int:
         return 0  # the token ids it searches are the target's own context

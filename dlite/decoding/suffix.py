@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from dlite.decoding.lookup import _one_hot_probs
+from dlite.decoding.lookup import TokenDrafter
 from dlite.decoding.sequence import AcceptedSequence
 
 
@@ -96,11 +96,8 @@ class SuffixDecoding:
         return int(self.cache._global_tree.estimate_memory())
 
 
-class SuffixDrafter:
+class SuffixDrafter(TokenDrafter):
     """SuffixDecoding for one prompt. Reads tokens only: no target layers."""
-
-    needs_history = False
-    target_layer_ids: List[int] = []
 
     def __init__(self, owner: SuffixDecoding, prompt_ids):
         self.owner = owner
@@ -127,13 +124,6 @@ class SuffixDrafter:
         context = ids[max(0, len(ids) - self.owner.max_tree_depth + 1):] + [int(anchor_id)]
         draft = cache.speculate(state.req_id, context, **self.owner.spec_kw)
         return [int(x) for x in draft.token_ids][: self.gamma], int(draft.match_len)
-
-    def draft(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
-              generator: Optional[torch.Generator] = None):
-        proposal, _ = self.propose(state, anchor_id, anchor_pos)
-        state.drafted(proposal)
-        tokens = torch.tensor(proposal, dtype=torch.long)
-        return tokens, _one_hot_probs(tokens, self.vocab_size, temperature), state
 
     def finish(self, state: SuffixState, new_tokens: List[int]) -> None:
         """After the last round: the tokens emitted since the last `propose` (the last
