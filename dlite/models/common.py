@@ -240,8 +240,9 @@ def sample_block(step, gamma: int, anchor_id: int, temperature: float, device, v
     `stop_prob` > 0: stop before the first slot where the drafter's own probability
     that the whole block so far is right (the product of each chosen token's
     probability; at T = 0 under softmax(logits)) falls below it, so fewer than gamma
-    tokens (possibly none) go to verification. On a CPU a verified token costs ~8% of a
-    target step, so not verifying a block that will be rejected is time saved. The
+    tokens (possibly none) go to verification. On this project's CPU (SmolLM2-135M at
+    4K context) verifying 1 / 2 / 4 / 8 tokens costs 1.0 / 1.4 / 1.6 / 2.2 decode steps,
+    so not verifying a block that will be rejected is time saved. The
     decision reads only the drafter's own numbers, so both verification rules stay
     exact (lossless at T = 0, the target's distribution at T > 0). It costs one host
     sync per slot; with stop_prob 0 tokens stay on device."""
