@@ -18,6 +18,9 @@ evaluated on held-out histories up to 16K tokens; ratios, goals, draft cost; plo
 `target_probe`: the configured target alone: next-token / copy accuracy and top-1
 probability per context bucket on the held-out trajectories, and the cost of one decode
 step vs one verified block at each `--context-lengths` (`--threads`, default 1).
+`lookup_check`: prompt lookup in our decoding loop vs transformers' own
+`generate(prompt_lookup_num_tokens=gamma)` on the evaluation's held-out turns: the two
+speedups over their own plain decoding, which should agree if our timing is honest.
 """
 
 import json
@@ -90,8 +93,30 @@ def target_probe(cfg, args) -> dict:
             "config": OmegaConf.to_container(cfg, resolve=True), "env": env_info()}
 
 
+def lookup_check(cfg, args) -> dict:
+    # Our prompt-lookup loop vs transformers' generate(prompt_lookup_num_tokens=gamma) on
+    # the evaluation's held-out turns (eval.* picks them), interleaved per turn.
+    import torch
+    from dlite import target as tgt
+    from dlite.bench.lookup_check import run
+    from dlite.decoding.replay import iter_tasks
+    from dlite.envinfo import env_info
+    from omegaconf import OmegaConf
+    from pipelines.stages.evaluate import heldout_records
+    torch.set_num_threads(args.threads)
+    model, tok = tgt.load(cfg.target)
+    e = cfg.eval
+    prompts = [t["prompt_ids"] for r in heldout_records(cfg)
+               for t in iter_tasks(tok, r, e.max_turns, e.turn_pick, (e.min_context, e.max_context))]
+    prompts = [p for p in prompts if not e.max_context or len(p) <= e.max_context]
+    report = run(model, prompts, tgt.eos_ids(model, tok), e.max_new_tokens,
+                 e.lookup_gamma or cfg.drafter.gamma, e.lookup.max_ngram)
+    return {**report, "target": cfg.target.name, "threads": args.threads,
+            "config": OmegaConf.to_container(cfg, resolve=True), "env": env_info()}
+
+
 BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality,
-              "target_probe": target_probe}
+              "target_probe": target_probe, "lookup_check": lookup_check}
 
 
 def main(argv=None) -> int:

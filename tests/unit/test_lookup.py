@@ -153,3 +153,15 @@ def test_method_builders_order_and_refusals(target):
     assert isinstance(builders["hybrid_lookup"]()(REPEAT), HybridDrafter)
     with pytest.raises(ValueError, match="learned drafter"):
         method_builders(ev, {}, V)
+
+
+def test_lookup_check_runs_both_loops_on_the_same_turns(target):
+    """The cross-check against transformers' prompt lookup: the four outputs (HF plain
+    and lookup, ours plain and lookup) are the same greedy text, and each speedup is
+    the ratio of the times it reports."""
+    from dlite.bench.lookup_check import run
+    rep = run(target, [REPEAT, REPEAT[3:]], eos=(127,), max_new_tokens=12, num_tokens=4, ngram=2)
+    assert rep["outputs_agree"] is True and [t["context_len"] for t in rep["turns"]] == [19, 16]
+    s = rep["seconds"]
+    assert rep["speedup_hf_prompt_lookup"] == pytest.approx(s["hf_plain"] / s["hf_lookup"])
+    assert rep["speedup_ours_prompt_lookup"] == pytest.approx(s["ours_plain"] / s["ours_lookup"])
