@@ -45,13 +45,14 @@ def lookup_proposal(ids: torch.Tensor, gamma: int, max_ngram: int, min_ngram: in
     return ([] if start is None else ids[start: start + gamma].tolist()), n
 
 
-def _one_hot_probs(tokens: torch.Tensor, vocab_size: int, temperature: float):
-    """q for a deterministic proposal: None at T = 0 (greedy never reads it), else
-    one-hot rows [n, V]."""
+def token_block(proposal: List[int], vocab_size: int, temperature: float):
+    """(tokens [n], q) for a deterministic proposal, as every drafter returns a block:
+    q is None at T = 0 (greedy never reads it), else one-hot rows [n, V]."""
+    tokens = torch.tensor(proposal, dtype=torch.long)
     if temperature <= 0:
-        return None
+        return tokens, None
     q = torch.zeros(tokens.numel(), vocab_size)
-    return q.scatter_(1, tokens[:, None], 1.0)
+    return tokens, q.scatter_(1, tokens[:, None], 1.0)
 
 
 class TokenDrafter:
@@ -67,8 +68,7 @@ class TokenDrafter:
               generator: Optional[torch.Generator] = None):
         proposal, _ = self.propose(state, anchor_id, anchor_pos)
         state.drafted(proposal)
-        tokens = torch.tensor(proposal, dtype=torch.long)
-        return tokens, _one_hot_probs(tokens, self.vocab_size, temperature), state
+        return (*token_block(proposal, self.vocab_size, temperature), state)
 
 
 class PromptLookupDrafter(TokenDrafter):
@@ -118,8 +118,7 @@ class HybridDrafter:
               generator: Optional[torch.Generator] = None):
         proposal, n = self.lookup.propose(state["seq"], anchor_id, anchor_pos)
         if proposal and n >= self.min_match:
-            tokens = torch.tensor(proposal, dtype=torch.long)
-            probs = _one_hot_probs(tokens, self.lookup.vocab_size, temperature)
+            tokens, probs = token_block(proposal, self.lookup.vocab_size, temperature)
             state["source"].append("lookup")
         else:
             tokens, probs, state["model"] = self.model.draft(state["model"], new_features, anchor_id,

@@ -47,7 +47,10 @@ def method_builders(ev, learned: Dict[str, object], vocab_size: int) -> Dict[str
     """{name: builder} for the learned drafters (given, already loaded), then the
     baselines, then the hybrids (each over the primary -- first -- learned drafter).
     Training-free drafters propose up to `eval.lookup_gamma` tokens (default: the
-    primary drafter's gamma)."""
+    primary drafter's gamma). The learned drafters get the evaluation's inference
+    setting `eval.draft_stop_prob` here, the one place that turns `eval` into methods."""
+    for d in learned.values():
+        d.draft_stop_prob = ev.draft_stop_prob
     primary = next(iter(learned.values()), None)
     gamma = ev.lookup_gamma or (primary.gamma if primary is not None else 7)
     out = {name: (lambda d=d: d) for name, d in learned.items()}

@@ -73,7 +73,6 @@ def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, tempera
     learned = {}
     for name, path in drafters.items():
         learned[name] = load_drafter(path, embed, lm_head).to(model.dtype)  # the target's dtype
-        learned[name].draft_stop_prob = cfg.eval.draft_stop_prob
     out = {}
     for name, build in method_builders(cfg.eval, learned, lm_head.shape[0]).items():
         for t in temperatures:

@@ -121,8 +121,8 @@ def test_prompt_lookup_sampling_is_exact(monkeypatch, wrong_q):
     vocab, prompt = 8, [1, 5, 2, 7, 1, 5, 2, 7, 1, 5]
     model = tiny_target(vocab=vocab, init=0.1, seed=3)
     if wrong_q:
-        monkeypatch.setattr(lookup, "_one_hot_probs",
-                            lambda t, v, temp: torch.full((t.numel(), v), 1.0 / v))
+        monkeypatch.setattr(lookup, "token_block",
+                            lambda p, v, temp: (torch.tensor(p, dtype=torch.long), torch.full((len(p), v), 1.0 / v)))
     pvals = _pvalues(model, PromptLookupDrafter(prompt, vocab, gamma=2, max_ngram=2), prompt, vocab)
     assert (min(pvals) < 1e-3) if wrong_q else (min(pvals) > 1e-3)
 
@@ -143,11 +143,12 @@ def test_accept_at_k_counts_only_drafted_slots():
 
 
 def test_method_builders_order_and_refusals(target):
-    ev = OmegaConf.structured(EvalConfig(baselines=["prompt_lookup"], hybrids=["hybrid_lookup"]))
+    ev = OmegaConf.structured(EvalConfig(baselines=["prompt_lookup"], hybrids=["hybrid_lookup"],
+                                         draft_stop_prob=0.4))
     model = dlite_drafter(target, list(range(V)), gamma=4)
     builders = method_builders(ev, {"dlite": model}, V)
     assert list(builders) == ["dlite", "prompt_lookup", "hybrid_lookup"]
-    assert builders["dlite"]() is model
+    assert builders["dlite"]() is model and model.draft_stop_prob == 0.4  # eval's setting
     lk = builders["prompt_lookup"]()(REPEAT)
     assert isinstance(lk, PromptLookupDrafter) and lk.gamma == 4  # the primary drafter's gamma
     assert isinstance(builders["hybrid_lookup"]()(REPEAT), HybridDrafter)
