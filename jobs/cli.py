@@ -1,6 +1,7 @@
 """The one command line every job shares: `--config FILE`, `--print-config`,
 `--dry-run` and `key=value` overrides. A bad config ends the process with exit code 2
-and `config error: <key>: ...` on stderr before the job does anything else."""
+and `config error: <key>: ...` on stderr before the job does anything else; so does a
+bad drafter / teacher directory (`require_artifacts`: `artifact error: <file>: ...`)."""
 
 import argparse
 import sys
@@ -41,3 +42,30 @@ def parse_args(
         print(to_yaml(cfg), end="")
         sys.exit(0)
     return args, cfg
+
+
+def require_artifacts(cfg, dirs: List[str], tag: str, need_target: bool = True) -> None:
+    """Check each drafter directory (`dlite.export.check_artifact`) against the configured
+    target before any Ray work; exit 2 with one line on stderr if one is unusable.
+    The target's fingerprint is the one every stage uses (no Ray needed). A job that does
+    not load the target (`need_target=False`: publish) skips the comparison when the
+    target is not reachable from here instead of failing."""
+    from dlite import target
+    from dlite.export import ArtifactError, check_artifact
+    try:
+        want = target.fingerprint(cfg.target)["id"]
+    except (OSError, ValueError) as e:
+        if need_target:
+            _exit("config error", e)
+        want = None
+        print(f"[{tag}] target fingerprint not compared: {e}", flush=True)
+    for d in dirs:
+        try:
+            print(f"[{tag}] {d}: {check_artifact(d, want)}", flush=True)
+        except (ArtifactError, OSError) as e:
+            _exit("artifact error", e)
+
+
+def _exit(kind: str, error: Exception) -> None:
+    print(f"{kind}: {' '.join(str(error).split())}", file=sys.stderr)  # one line, always
+    sys.exit(2)

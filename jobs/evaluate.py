@@ -9,7 +9,9 @@ tasks, then speed on one worker, plain and speculative interleaved (see
 `pipelines/stages/evaluate.py`). A drafter's name defaults to its kind (`dlite`,
 `dlite_no_teacher`, `dspark`) read from its config.json. Writes the report of
 ARCHITECTURE.md §3 to `--out`, plots beside it, and an `evaluate` MLflow run (a child of
-`--parent-run-id` when given) with the metrics, report and plots.
+`--parent-run-id` when given) with the metrics, report and plots. A drafter directory
+that is incomplete, corrupted (checksums in config.json) or trained for another target
+ends the job before Ray starts: exit 2, `artifact error: <file>: ...`.
 """
 
 import json
@@ -17,16 +19,16 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobs.cli import parse_args
+from jobs.cli import parse_args, require_artifacts
 
 
-def _drafters(specs: list) -> dict:
+def _drafters(cfg, specs: list) -> dict:
+    pairs = [spec.rpartition("=")[::2] if "=" in spec else ("", spec) for spec in specs]
+    # Checksums and target fingerprint here, not in a Ray task's traceback.
+    require_artifacts(cfg, [path for _, path in pairs], "evaluate")
     from pipelines.stages.evaluate import method_name
     out = {}
-    for spec in specs:
-        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
-        if not (Path(path) / "config.json").is_file():
-            raise SystemExit(f"evaluate: --drafter {spec}: no drafter artifact (config.json) in {path}")
+    for name, path in pairs:
         name = name or method_name(path)
         if name in out:
             raise SystemExit(f"evaluate: two drafters named {name!r}: name them with NAME=DIR")
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
         p.add_argument("--parent-run-id", default=None, help="MLflow run to nest the evaluate run under")
 
     args, cfg = parse_args(argv, extra)
-    drafters = _drafters(args.drafter)
+    drafters = _drafters(cfg, args.drafter)
     out = Path(args.out).resolve()
     work = out.parent / f".{out.stem}-evaluate"
     print(f"[evaluate] {', '.join(f'{k}={v}' for k, v in drafters.items())} -> {out}", flush=True)

@@ -7,14 +7,16 @@ Writes the model card into DIR, logs DIR, the report and the plots to a `publish
 (a child of `--parent-run-id` when given), registers a version of
 `tracking.registered_model` (the same weights are never registered twice), points
 alias `candidate` at it, and `production` only when the release gate (`gate.*`)
-passes. Exit 0 whether or not the gate passed (the summary says which); 1 on bad input.
+passes. Exit 0 whether or not the gate passed (the summary says which); 1 on bad input;
+2 on a bad config or a drafter directory that is incomplete, corrupted (checksums in its
+config.json) or made for another target (`artifact error: <file>: ...`).
 """
 
 import json
 import sys
 from pathlib import Path
 
-from jobs.cli import parse_args
+from jobs.cli import parse_args, require_artifacts
 
 
 def _flags(parser) -> None:
@@ -29,6 +31,8 @@ def _flags(parser) -> None:
 
 def main(argv=None) -> int:
     args, cfg = parse_args(argv, extra=_flags)
+    # Publishing never loads the target: one not reachable from here is not compared.
+    require_artifacts(cfg, [args.drafter], "publish", need_target=False)
     from dlite.card import primary_method
     from pipelines.stages.publish import drafter_sha256, publish, read_drafter
     try:

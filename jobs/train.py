@@ -11,13 +11,15 @@ input's records, kept out of training). The best drafter by validation tau lands
 `DIR/drafter/`, resume state in `DIR/resume/` (or under
 `cluster.storage_uri`), the summary in `DIR/train.json`. Rerunning the same command
 resumes an interrupted stage from its latest checkpoint; a finished one is returned.
+A `--teacher` that is incomplete, corrupted or made for another target ends the job
+before Ray starts: exit 2, `artifact error: <file>: ...`.
 """
 
 import json
 import sys
 
 from dlite.config_schema import TRAIN_STAGES as STAGES
-from jobs.cli import parse_args
+from jobs.cli import parse_args, require_artifacts
 
 
 def _flags(parser) -> None:
@@ -32,6 +34,9 @@ def _flags(parser) -> None:
 def main(argv=None) -> int:
     args, cfg = parse_args(argv, extra=_flags)
     print(f"[train] {args.stage}: {args.input} -> {args.output}", flush=True)
+    if args.teacher:
+        from dlite.train.plan import teacher_dir  # the stage output dir or its drafter/
+        require_artifacts(cfg, [str(teacher_dir(args.teacher))], "train")
     if args.dry_run:
         return 0
     from dlite.data.shards import ShardError

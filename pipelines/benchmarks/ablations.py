@@ -61,7 +61,9 @@ def ablation_config(cfg, name: str, window: int):
 
 
 def run_one(cfg, name: str, window: int, parent: str, log=print) -> dict:
-    """Train and replay one ablation; its row of the benchmark's `ablations` table."""
+    """Train and replay one ablation; its row of the benchmark's `ablations` table.
+    Its MLflow run ends FINISHED, or FAILED when the ablation raises (`tracking.closing`,
+    as every pipeline run's stages do), never left RUNNING."""
     from pipelines.common import tracking
     from pipelines.orchestration.dag import Context, execute, open_home, plan
     from pipelines.orchestration.runners import RUNNERS
@@ -69,20 +71,24 @@ def run_one(cfg, name: str, window: int, parent: str, log=print) -> dict:
     _, run_id = open_home(acfg, {"dlite.kind": "benchmark", "dlite.benchmark": "quality-ablation",
                                  "dlite.ablation": name, "mlflow.parentRunId": parent})
     log(f"[ablation] {name}: {ABLATIONS[name][1]}")
-    stages = plan(acfg)
-    done = execute(Context(acfg, run_id, log), stages, RUNNERS)
+    with tracking.closing(acfg.tracking.uri, run_id):
+        stages = plan(acfg)
+        done = execute(Context(acfg, run_id, log), stages, RUNNERS)
+        return _row(acfg, name, stages, done, run_id)
+
+
+def _row(acfg, name: str, stages: list, done: dict, run_id: str) -> dict:
     dl = json.loads(Path(done["evaluate"]["report"]).read_text())["methods"]["dlite"]
-    row = {"overrides": ABLATIONS[name][0], "why": ABLATIONS[name][1], "training_window": acfg.data.max_seq_len,
-           "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align")},
-           "tau": dl["tau"], "tau_by_bucket": dl["tau_by_bucket"], "bucket_labels": dl["bucket_labels"], "accept_at_k": dl["accept_at_k"],
-           "draft_ms_by_bucket": dl["draft_ms_by_bucket"], "lossless": dl["lossless"],
-           "stage_dirs": {s.name: s.dir for s in stages},
-           # Reused stages were finished by the benchmark or an earlier ablation: their
-           # seconds are from that run, not this one.
-           "seconds": {s: done[s].get("seconds") for s in done},
-           "reused": [s.name for s in stages if s.status in ("done", "reuse")], "mlflow_run": run_id}
-    tracking.finish(acfg.tracking.uri, run_id)
-    return row
+    return {"overrides": ABLATIONS[name][0], "why": ABLATIONS[name][1], "training_window": acfg.data.max_seq_len,
+            "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align")},
+            "tau": dl["tau"], "tau_by_bucket": dl["tau_by_bucket"], "bucket_labels": dl["bucket_labels"],
+            "accept_at_k": dl["accept_at_k"],
+            "draft_ms_by_bucket": dl["draft_ms_by_bucket"], "lossless": dl["lossless"],
+            "stage_dirs": {s.name: s.dir for s in stages},
+            # Reused stages were finished by the benchmark or an earlier ablation: their
+            # seconds are from that run, not this one.
+            "seconds": {s: done[s].get("seconds") for s in done},
+            "reused": [s.name for s in stages if s.status in ("done", "reuse")], "mlflow_run": run_id}
 
 
 def table(bench: dict, rows: Dict[str, dict]) -> dict:

@@ -1,15 +1,18 @@
 """Unit tests for dlite.export: the drafter directory round-trips to identical outputs
 for every architecture, stores no frozen target weights, carries its lineage in
-config.json and a card, and refuses a target that does not fit."""
+config.json and a card, and refuses a target that does not fit; `check_artifact` refuses
+a truncated, altered or incomplete directory and a drafter of another target in one
+line naming the file (or both fingerprints), and still accepts a format 1 directory."""
 
 import dataclasses
+import hashlib
 import json
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from dlite.export import load_drafter, save_drafter
+from dlite.export import FORMAT_VERSION, ArtifactError, check_artifact, load_drafter, save_drafter
 from dlite.models import DrafterConfig, build_drafter
 
 V, HT = 40, 24
@@ -17,7 +20,6 @@ CFG = DrafterConfig(gamma=4, target_layer_ids=[0, 1], hidden_size=32, num_layers
                     num_kv_heads=2, head_dim=8, intermediate_size=64, head_hidden=32, markov_rank=8)
 EXTRA = {"target_fingerprint": "tiny-qwen3@abc123", "target_name": "tiny-qwen3",
          "target_layer_ids": [0, 1]}
-
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +72,83 @@ def test_refuses_mismatched_target_or_lineage(tmp_path, vocab):
     save_drafter(model, tmp_path, EXTRA)
     with pytest.raises(ValueError, match="do not match"):
         load_drafter(tmp_path, torch.randn(V + 1, HT), torch.randn(V + 1, HT))
+
+
+@pytest.fixture
+def artifact(tmp_path, vocab):
+    torch.manual_seed(0)
+    return save_drafter(build_drafter(CFG, *vocab, V - 1), tmp_path / "drafter", EXTRA)
+
+
+def refused(path, match: str, fingerprint=None) -> str:
+    with pytest.raises(ArtifactError, match=match) as e:
+        check_artifact(path, fingerprint)
+    assert "\n" not in str(e.value)  # one line for the job's stderr
+    return str(e.value)
+
+
+def test_checksums_recorded_and_checked(artifact):
+    config = json.loads((artifact / "config.json").read_text())
+    weights = (artifact / "model.safetensors").read_bytes()
+    assert config["format_version"] == FORMAT_VERSION == 2
+    assert config["files"] == {"model.safetensors": {"sha256": hashlib.sha256(weights).hexdigest(),
+                                                     "bytes": len(weights)}}
+    assert config["files"]["model.safetensors"]["sha256"] in (artifact / "README.md").read_text()
+    assert check_artifact(artifact, EXTRA["target_fingerprint"]) == \
+        "sha256 of model.safetensors ok; target fingerprint ok"
+    assert check_artifact(artifact, {"id": EXTRA["target_fingerprint"]}).endswith("target fingerprint ok")
+    assert check_artifact(artifact).endswith("target fingerprint not compared")
+
+
+def test_refuses_truncated_altered_or_missing_weights(artifact):
+    weights = artifact / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100])
+    msg = refused(artifact, "model.safetensors: .* bytes, but config.json records")
+    assert str(weights) in msg and "truncated" in msg
+    weights.write_bytes(data[:-50] + bytes([data[-50] ^ 1]) + data[-49:])  # same size, one bit off
+    refused(artifact, r"model.safetensors: sha256 .* does not match config.json's")
+    weights.unlink()
+    refused(artifact, r"model.safetensors: missing")
+
+
+def test_refuses_what_is_not_a_drafter(artifact, tmp_path):
+    refused(tmp_path / "nowhere", "no such directory")
+    (tmp_path / "empty").mkdir()
+    refused(tmp_path / "empty", "config.json: missing: .* is not a dlite-drafter directory")
+    (artifact / "config.json").write_text('{"format": "gguf"}')
+    refused(artifact, "format='gguf'")
+    (artifact / "config.json").write_text('{"format": "dlite-dr')
+    refused(artifact, "config.json: not valid JSON")
+    (artifact / "config.json").write_text(json.dumps({"format": "dlite-drafter", "format_version": 99}))
+    refused(artifact, "format_version 99")
+
+
+def as_format_1(path) -> None:
+    """What a format 1 export wrote: no `files`, format_version 1."""
+    config = json.loads((path / "config.json").read_text())
+    del config["files"]
+    (path / "config.json").write_text(json.dumps({**config, "format_version": 1}))
+
+
+def test_format_1_still_loads_and_truncation_is_still_caught(artifact, vocab):
+    as_format_1(artifact)
+    assert check_artifact(artifact, EXTRA["target_fingerprint"]) == \
+        "no checksums recorded (format_version 1); model.safetensors size ok; target fingerprint ok"
+    assert load_drafter(artifact, *vocab).cfg.gamma == CFG.gamma
+    weights = artifact / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1])
+    refused(artifact, "model.safetensors: .* bytes, but its safetensors header describes")
+    weights.write_bytes(data[:20])
+    refused(artifact, "too short for its safetensors header")
+
+
+def test_refuses_a_drafter_of_another_target(artifact):
+    msg = refused(artifact, "drafter trained for target_fingerprint", fingerprint="qwen3-8b@ffff")
+    assert str(artifact / "config.json") in msg
+    assert EXTRA["target_fingerprint"] in msg and "qwen3-8b@ffff" in msg
+    config = json.loads((artifact / "config.json").read_text())
+    del config["target_fingerprint"]
+    (artifact / "config.json").write_text(json.dumps(config))
+    assert check_artifact(artifact, "qwen3-8b@ffff").endswith("no target fingerprint recorded")
