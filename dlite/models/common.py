@@ -165,8 +165,11 @@ def param_count(module: nn.Module) -> int:
 
 
 def embed_in(model, ids):
-    """Frozen target embedding, projected to the drafter width when they differ."""
-    return model.backbone.in_proj(model.vocab.embed(ids))
+    """Frozen target embedding, projected to the drafter width when they differ. Cast to
+    the drafter's dtype first: the vocabulary comes in the target's (`load_drafter` takes
+    it from the target), so a bf16 artifact next to an fp32 target would otherwise feed
+    fp32 rows into bf16 layers (a dtype error at the first draft)."""
+    return model.backbone.in_proj(model.vocab.embed(ids).to(model.backbone.norm.weight.dtype))
 
 
 

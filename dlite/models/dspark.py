@@ -27,7 +27,8 @@ class MarkovHead(nn.Module):
         self.w2.zero_init = True
 
     def forward(self, e_prev):
-        return self.w2(torch.nn.functional.silu(self.w1(e_prev)))
+        # e_prev is a frozen target embedding, in the target's dtype: cast to the head's
+        return self.w2(torch.nn.functional.silu(self.w1(e_prev.to(self.w1.weight.dtype))))
 
 
 class DSparkDrafter(nn.Module):
