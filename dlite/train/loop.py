@@ -55,6 +55,14 @@ def _throughput(dt: float, cpu: float, samples: int, tokens: int, run: list) -> 
             "cpu_s_per_sample_avg": c / n if n else cpu / samples}
 
 
+def peak_memory(device) -> dict:
+    """`peak_gpu_bytes` (torch's allocator high-water mark on this worker's GPU) on CUDA;
+    nothing on CPU, where the allocator keeps no such count."""
+    if torch.device(device).type != "cuda":
+        return {}
+    return {"peak_gpu_bytes": float(torch.cuda.max_memory_allocated(device))}
+
+
 def is_eval_step(step: int, cfg: LoopConfig) -> bool:
     return step == cfg.steps - 1 or bool(cfg.eval_every and (step + 1) % cfg.eval_every == 0)
 
@@ -93,7 +101,7 @@ def train_loop(engine, batches: Iterator[dict], cfg: LoopConfig, start_step: int
         # Per-slot figures are the last micro-batch's; the loss is the step's mean.
         last = {**flat_metrics(m), "loss": loss_sum / cfg.grad_accum, "lr": lr,
                 **_throughput(dt, cpu, samples, tokens, run), "data_s": data_s,
-                "distilling": float(ref is not None)}
+                "distilling": float(ref is not None), **peak_memory(engine.device)}
         if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             log(step, last)
         if is_eval_step(step, cfg):

@@ -69,15 +69,15 @@ def plain_stage(cfg, stage: str, input_uri: str, teacher: Optional[str] = None,
     if inputs.table is None:
         raise TrainError(f"{input_uri}: larger than data.cache_bytes; the plain loop holds its rows")
     rows = inputs.table.to_pylist()
-    vocab = st.load_vocab(cfg.target)
-    teacher_model = st.load_teacher(teacher, vocab) if plan.needs_teacher else None
+    vocab, device = st.load_vocab(cfg.target), _device(cfg)
+    teacher_model = st.load_teacher(teacher, vocab, device) if plan.needs_teacher else None
     t = cfg.train
     draft_ids, _ = st.draft_vocab_from_shards(cfg, input_uri, held_ids=inputs.held)
-    engine = PlainEngine(st.build_model(cfg, plan, vocab, teacher_model, draft_ids=draft_ids), t.lr,
+    engine = PlainEngine(st.build_model(cfg, plan, vocab, teacher_model, device, draft_ids), t.lr,
                          t.weight_decay, t.grad_clip, t.grad_accum)
     stream = BatchStream(lambda epoch: rows, t.batch_size, cfg.data.anchors_per_seq, cfg.run.seed,
                          shuffle_buffer(cfg), lambda r: training_row(r, manifest))
-    val = st.val_batches(st.heldout_rows(**inputs.val), t.batch_size)
+    val = st.val_batches(st.heldout_rows(**inputs.val), t.batch_size, device)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     if barrier is not None:
@@ -87,6 +87,13 @@ def plain_stage(cfg, stage: str, input_uri: str, teacher: Optional[str] = None,
                           validate=lambda model: validate(model, val))
     finally:
         torch.set_num_threads(before)
+
+
+def _device(cfg) -> torch.device:
+    """Where a worker of `cluster` would train: the plain loop must compete on the same
+    device as the engine it is compared with (fp32 there: PlainEngine has no bf16)."""
+    gpu = cfg.cluster.use_gpu and torch.cuda.is_available()
+    return torch.device("cuda" if gpu else "cpu")
 
 
 class _FileBarrier:
@@ -156,29 +163,33 @@ def _mean(runs: list, key: str) -> float:
 
 
 def engine_overhead(cfg, input_uri: str, work: Path, heldout: Optional[str] = None,
-                    stage: str = ENGINE_STAGE) -> dict:
+                    stage: str = ENGINE_STAGE, with_same_math: bool = True) -> dict:
     """Plain loop, N-worker engine, N plain loops at once, plain loop again, then the
     1-worker same-math run. Besides the goal figure (solo plain loop over a worker):
     `parallel_plain_share` = what the machine alone takes from N concurrent processes,
     `engine_overhead_vs_parallel_plain` = the engine's own price on top of it, and
-    `engine_overhead_cpu` = CPU seconds per sample, worker over plain (robust to load)."""
+    `engine_overhead_cpu` = CPU seconds per sample, worker over plain (robust to load).
+    `with_same_math=False` skips the 1-worker fp32 run (and the fields it feeds)."""
     workers, rate = cfg.cluster.num_workers, "samples_per_s_avg"
     plain = [plain_stage(cfg, stage, input_uri, heldout=heldout)]
     many = _engine_stage(cfg, stage, input_uri, work / f"ds{workers}", heldout=heldout)["final"]
     parallel = parallel_plain(cfg, stage, input_uri, heldout, workers) if workers > 1 else plain
     plain.append(plain_stage(cfg, stage, input_uri, heldout=heldout))
-    one = _engine_stage(cfg, stage, input_uri, work / "ds1", heldout=heldout, workers=1,
-                        zero_stage=1, precision="fp32")["final"]
     solo, per_worker = _mean(plain, rate), many[rate]
-    return {"engine_overhead": solo / per_worker, "engine_overhead_1worker": solo / one[rate],
+    out = {"engine_overhead": solo / per_worker, "peak_gpu_bytes_engine": many.get("peak_gpu_bytes"),
             "engine_overhead_vs_parallel_plain": _mean(parallel, rate) / per_worker,
             "parallel_plain_share": solo / _mean(parallel, rate),
             "engine_overhead_cpu": many["cpu_s_per_sample_avg"] / _mean(plain, "cpu_s_per_sample_avg"),
             "samples_per_s_plain": solo, "samples_per_s_plain_runs": [p[rate] for p in plain],
             "samples_per_s_parallel_plain": [p[rate] for p in parallel],
             "samples_per_s_per_worker": per_worker, "samples_per_s_total": per_worker * workers,
-            "samples_per_s_1worker": one[rate], "load_avg_1min": os.getloadavg()[0],
-            "workers": workers, "steps": st.plan_stage(cfg, stage).steps, "stage": stage,
+            "load_avg_1min": os.getloadavg()[0],
+            "workers": workers, "steps": st.plan_stage(cfg, stage).steps, "stage": stage}
+    if not with_same_math:
+        return out
+    one = _engine_stage(cfg, stage, input_uri, work / "ds1", heldout=heldout, workers=1,
+                        zero_stage=1, precision="fp32")["final"]
+    return {**out, "engine_overhead_1worker": solo / one[rate], "samples_per_s_1worker": one[rate],
             "same_math": same_math(plain[0], one)}
 
 

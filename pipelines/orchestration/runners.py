@@ -41,8 +41,10 @@ def _train(stage: str, label: str, overrides=None):
         teacher = deps["teacher"]["drafter"] if "teacher" in deps else None
         s = train_stage(cfg, stage, deps["collect"]["shards"], str(out), teacher=teacher,
                         parent_run_id=ctx.parent_run_id, label=label)
+        f = s["final"]
         return {"drafter": s["drafter"], "run_id": s["run_id"], "steps": s["steps"],
-                "best_val_tau": s["best"].get("val_tau"), "final_loss": s["final"].get("loss")}
+                "best_val_tau": s["best"].get("val_tau"), "final_loss": f.get("loss"),
+                "samples_per_s": f.get("samples_per_s_avg"), "peak_gpu_bytes": f.get("peak_gpu_bytes")}
     return run
 
 

@@ -98,3 +98,32 @@ def test_rerun_skips_finished_stages(pipeline_run, repo_root, mlflow_server):
     assert [p.info.run_id for p in parents] == [s["mlflow_run"]]  # the restart reused it
     kids = c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{s['mlflow_run']}'")
     assert len(kids) == 7  # no stage ran again
+
+
+# Last in this module: it adds a second pipeline home (other run.stages) to the same
+# run.output_dir, which the tests above expect to hold one.
+@pytest.mark.timeout(1800)
+def test_gpu_check_script_on_cpu(pipeline_run, repo_root, mlflow_server, smoke_pipeline, tmp_path):
+    """scripts/gpu_check.sh as a user runs it, on CPU at the smoke size: the stages the
+    module's pipeline trained are reused (same settings, same run.output_dir), the
+    evaluation runs again (no ablation in its inputs), then the engine comparison."""
+    import os
+    out, _, _ = pipeline_run
+    report = tmp_path / "gpu_check.json"
+    r = subprocess.run(["bash", "scripts/gpu_check.sh", "--config", "configs/experiments/tiny.yaml",
+                        "--out", str(report), f"run.output_dir={out}", f"tracking.uri={mlflow_server}",
+                        "tracking.experiment=gpu-check-e2e", *smoke_pipeline],
+                       cwd=repo_root, capture_output=True, text=True, timeout=1700,
+                       env={**os.environ, "PYTHON": sys.executable, "DLITE_GPU_CHECK_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    g = json.loads(report.read_text())
+    assert g["device"] == "cpu" and "no CUDA device" in r.stderr
+    assert g["stages_reused"] == ["collect", "teacher", "align", "dspark"]  # evaluate ran
+    assert set(g["decoding"]) == {"dlite", "dspark"} and g["lossless"] is True
+    for m in g["decoding"].values():
+        assert m["tokens_per_s_plain"] > 0 and m["tokens_per_s_spec"] > 0 and m["tau"] >= 1.0
+    for s in ("teacher", "align", "dspark"):
+        assert g["training"][s]["samples_per_s"] > 0 and g["training"][s]["peak_gpu_bytes"] is None
+    e = g["engine"]
+    assert e["engine_overhead"] > 0 and e["workers"] == 2 and "same_math" not in e
+    assert g["wall_s"] >= g["pipeline_s"] > 0 and g["budget_s"] == 480
