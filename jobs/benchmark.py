@@ -14,13 +14,19 @@ collects itself.
 `quality`: the headline comparison: DLite, DLite without the teacher stage and
 the DSpark-style baseline, same data and step budget, trained on a 1536-token window and
 evaluated on held-out histories up to 16K tokens; ratios, goals, draft cost; plots.
-`--ablations all|a,b` adds the why-table: DLite with one switch changed at a time.
+`--ablations all|a,b` adds the why-table: DLite with one switch changed at a time;
+`--prompts FILE` the same drafters on --n-prompts prompts of FILE (e.g. SWE-bench issues).
 `target_probe`: the configured target alone: next-token / copy accuracy and top-1
 probability per context bucket on the held-out trajectories, and the cost of one decode
 step vs one verified block at each `--context-lengths` (`--threads`, default 1).
 `lookup_check`: prompt lookup in our decoding loop vs transformers' own
 `generate(prompt_lookup_num_tokens=gamma)` on the evaluation's held-out turns: the two
 speedups over their own plain decoding, which should agree if our timing is honest.
+`shape_rehearsal`: the Qwen3-4B DLite drafter's shapes on CPU in bf16 (train step, draft
+round, export round trip), peak RSS and time per phase.
+`gpu_check`: the prepared first GPU run (`scripts/gpu_check.sh` passes its sizes): the
+pipeline without ablation and publish, then the engine comparison on its shards; tokens/s,
+tau, engine overhead, peak GPU memory per training stage, seconds against the 8-minute budget.
 """
 
 import json
@@ -70,7 +76,7 @@ def quality(cfg, args) -> dict:
     from pipelines.benchmarks import ablations
     from pipelines.benchmarks.quality import run
     return run(cfg, args.out, ablations=ablations.parse(args.ablations) if args.ablations else (),
-               budget=args.budget)
+               budget=args.budget, prompts=args.prompts, n_prompts=args.n_prompts)
 
 
 def target_probe(cfg, args) -> dict:
@@ -115,8 +121,27 @@ def lookup_check(cfg, args) -> dict:
             "config": OmegaConf.to_container(cfg, resolve=True), "env": env_info()}
 
 
+def shape_rehearsal(cfg, args) -> dict:
+    # The Qwen3-4B DLite drafter's real shapes on CPU in bf16: one train step, one
+    # speculative round and the export round trip against a random-weight Qwen3-4B-shaped
+    # target cut to 2 layers (built from a config, no download); wall time and peak RSS
+    # per phase. The run config is only recorded: the shapes are the production yaml's.
+    import torch
+    from omegaconf import OmegaConf
+    from dlite.bench.shape_rehearsal import run
+    report = run(seq_len=512, anchors=64, layers=2, dtype=torch.bfloat16, threads=args.threads)
+    return {**report, "config": OmegaConf.to_container(cfg, resolve=True)}
+
+
+def gpu_check(cfg, args) -> dict:
+    # The pipeline runs as a subprocess with --config and the same key=value overrides.
+    from pipelines.benchmarks.gpu_check import run
+    return run(cfg, args)
+
+
 BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality,
-              "target_probe": target_probe, "lookup_check": lookup_check}
+              "target_probe": target_probe, "lookup_check": lookup_check, "shape_rehearsal": shape_rehearsal,
+              "gpu_check": gpu_check}
 
 
 def main(argv=None) -> int:
@@ -139,6 +164,10 @@ def main(argv=None) -> int:
         p.add_argument("--ablations", default=None,
                        help="quality: also train + replay these DLite variants ('all' or a comma list of "
                             "pipelines.benchmarks.ablations.ABLATIONS), each under the same budget")
+        p.add_argument("--prompts", default=None,
+                       help="quality: also evaluate on prompts nobody here wrote (a JSONL of "
+                            "{\"turns\": [...]} records, e.g. ../shared/data/swe-bench-prompts.jsonl)")
+        p.add_argument("--n-prompts", type=int, default=8, help="quality: how many of --prompts")
 
     name, (args, cfg) = argv[0], parse_args(argv[1:], extra)
     if args.dry_run:

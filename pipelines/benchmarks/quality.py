@@ -26,6 +26,10 @@ import json
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from pipelines.orchestration.dag import METHODS
+
 from pipelines.benchmarks.settings import bench_config, ratio  # noqa: F401 (the quality API)
 
 
@@ -81,16 +85,70 @@ def target_by_bucket(cfg, max_len=None) -> dict:
     return probe(model, seqs, list(cfg.eval.buckets))
 
 
-def run(cfg, out_json: str, window: int = 1536, ablations=(), budget: int = 200) -> dict:
+def val_vs_heldout(bench: dict) -> dict:
+    """Per learned method: the in-training estimate (best teacher-forced `val_tau` on the
+    validation rows) next to the held-out greedy tau, their ratio, and whether they agree
+    within 10% -- the number users early-stop on must predict the real one."""
+    out = {}
+    for stage, name in METHODS.items():
+        val, m = bench["best_val_tau"].get(stage), bench["methods"].get(name)
+        if val is None or m is None:
+            continue
+        r = ratio(val, m["tau"])
+        out[name] = {"val_tau": val, "heldout_tau": m["tau"], "val_over_heldout": r,
+                     "within_10pct": None if r is None else abs(r - 1) <= 0.10}
+    return out
+
+
+def prompts_eval(bcfg, done: dict, prompts: str, n: int, home: Path, parent: str) -> dict:
+    """The same drafters on text nobody here wrote: `n` of the prompts in `prompts` (a
+    JSONL of {"turns": [...]} records, e.g. SWE-bench issue texts), evenly spaced through
+    the file, each answered by the target (the replay's plain loop) and drafted for by
+    every method. Returns the evaluation report's per-method figures."""
+    from pipelines.stages.evaluate import evaluate_stage
+    lines = [x for x in Path(prompts).read_text().splitlines() if x.strip()]
+    step = max(1, len(lines) // n)
+    sample = home / "prompts_sample.jsonl"
+    sample.write_text("\n".join(lines[::step][:n]) + "\n")
+    cfg = OmegaConf.merge(bcfg, {"data": {"heldout_path": str(sample)},
+                                 "eval": {"n_trajectories": n, "max_turns": 1, "turn_pick": "first",
+                                          "min_context": None, "max_context": None,
+                                          "speed_trajectories": min(n, bcfg.eval.speed_trajectories)}})
+    drafters = {METHODS[s]: d["drafter"] for s, d in done.items() if s in METHODS}
+    report = evaluate_stage(cfg, drafters, home / "prompts_evaluate", parent)
+    return {"source": str(prompts), "n_prompts": n, "sample": str(sample),
+            "methods": {k: {f: m.get(f) for f in ("tau", "speedup_vs_ar", "lossless", "n_rounds",
+                                                 "tau_by_bucket", "speedup_vs_ar_by_bucket", "tokens_per_s")}
+                        for k, m in report["methods"].items()}}
+
+
+def run(cfg, out_json: str, window: int = 1536, ablations=(), budget: int = 200,
+        prompts=None, n_prompts: int = 8) -> dict:
     """Run (or resume) the benchmark's DAG and write the JSON + plots beside `out_json`;
-    then each of `ablations` (pipelines.benchmarks.ablations), the JSON rewritten after each one."""
-    from pipelines.orchestration import results
+    with `prompts`, also the evaluation on `n_prompts` of them (`prompts_eval`); then
+    each of `ablations` (pipelines.benchmarks.ablations), the JSON rewritten after each one."""
     from pipelines.common import tracking
-    from pipelines.orchestration.dag import Context, execute, open_home, plan
-    from pipelines.orchestration.runners import RUNNERS
+    from pipelines.orchestration.dag import open_home, plan
     t0, bcfg = time.time(), bench_config(cfg, window, budget)
     stages = plan(bcfg)
     home, parent = open_home(bcfg, {"dlite.kind": "benchmark", "dlite.benchmark": "quality"})
+    try:  # a crash ends the benchmark's run FAILED, as the pipeline's (jobs/pipeline.py)
+        bench = _measure(bcfg, stages, home, parent, out_json, window, budget, prompts, n_prompts, t0)
+    except BaseException:
+        tracking.finish(bcfg.tracking.uri, parent, "FAILED")
+        raise
+    if ablations:
+        bench = _ablate(bcfg, bench, Path(out_json).resolve(), window, parent, ablations, t0)
+    return bench
+
+
+def _measure(bcfg, stages, home: Path, parent: str, out_json: str, window: int, budget: int,
+             prompts, n_prompts: int, t0: float) -> dict:
+    """The DAG, the JSON, the plots, the parent run's metrics; the run closed FINISHED."""
+    from pipelines.orchestration import results
+    from pipelines.common import plots, tracking
+    from pipelines.orchestration.dag import Context, execute
+    from pipelines.orchestration.runners import RUNNERS
     done = execute(Context(bcfg, parent, lambda line: print(line, flush=True)), stages, RUNNERS)
     report = json.loads(Path(done["evaluate"]["report"]).read_text())
     out = Path(out_json).resolve()
@@ -101,16 +159,18 @@ def run(cfg, out_json: str, window: int = 1536, ablations=(), budget: int = 200)
              "target_by_bucket": target_by_bucket(bcfg),
              "seconds": round(time.time() - t0, 1), "mlflow_run": parent,
              "config": report["config"], "env": report["env"]}
+    bench["val_vs_heldout"] = val_vs_heldout(bench)
+    if prompts:
+        bench["prompts"] = prompts_eval(bcfg, done, prompts, n_prompts, home, parent)
+        bench["seconds"] = round(time.time() - t0, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(bench, indent=2, default=str) + "\n")
-    from pipelines.common import plots
     pngs = [plots.tau_by_bucket_plot(report["methods"], out.with_name(f"{out.stem}-tau_by_bucket.png")),
-            plots.accept_at_k_plot(report["methods"], out.with_name(f"{out.stem}-accept_at_k.png"))]
+            plots.accept_at_k_plot(report["methods"], out.with_name(f"{out.stem}-accept_at_k.png")),
+            plots.tau_vs_context_plot(report["methods"], out.with_name(f"{out.stem}-tau_vs_context.png"))]
     for f in [out, *pngs]:
         tracking.log_artifact(bcfg.tracking.uri, parent, f, "benchmark")
     results.finish(bcfg, home, parent, stages, done, time.time() - t0)
-    if ablations:
-        bench = _ablate(bcfg, bench, out, window, parent, ablations, t0)
     return bench
 
 

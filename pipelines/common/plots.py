@@ -58,6 +58,24 @@ def accept_at_k_plot(methods: Dict[str, dict], path) -> str:
     return _save(fig, path)
 
 
+def tau_vs_context_plot(methods: Dict[str, dict], path, temperature: str = "0.0") -> str:
+    """tau of every replayed turn against its context length, one line per method (the
+    same turns for every method, so the lines compare turn by turn)."""
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for name in sorted(methods):
+        tasks = (methods[name].get("by_temperature", {}).get(temperature) or {}).get("per_task") or []
+        pts = sorted((t["context_len"], t["tau"]) for t in tasks if t.get("tau") is not None)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", markersize=3, label=name)
+    if not ax.lines:
+        raise ValueError(f"plot: no method has per-task tau at temperature {temperature}")
+    ax.set(xlabel="context length (tokens)", ylabel=f"tau (T={temperature})", title="tau against context length")
+    ax.grid(alpha=0.3)
+    fig.legend(loc="outside lower center", ncols=min(4, len(ax.lines)))
+    return _save(fig, path)
+
+
 def _bucket_order(methods: Dict[str, dict]) -> List[str]:
     """Buckets holding any method's rounds, in report order (short contexts first)."""
     order: List[str] = []

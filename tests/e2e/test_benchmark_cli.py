@@ -5,6 +5,7 @@ report has the engine overhead, a passing same-math check and the teacher ablati
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from tests.report_checks import check_figures
@@ -88,7 +89,8 @@ def test_quality_report_with_an_ablation(repo_root, tmp_path, smoke_pipeline):
     sizes = [*smoke_pipeline, "eval.n_trajectories=1", "eval.min_chars=3000", "eval.max_chars=6000",
              f"run.output_dir={tmp_path / 'runs'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "quality", "--config", "configs/experiments/tiny.yaml", "--out", str(out),
-                        "--budget", "8", "--ablations", "distill_none", *sizes],
+                        "--budget", "8", "--ablations", "distill_none",
+                        "--prompts", "tests/fixtures/prompts.jsonl", "--n-prompts", "2", *sizes],
                        cwd=repo_root, capture_output=True, text=True, timeout=2700)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
@@ -116,10 +118,20 @@ def test_quality_report_with_an_ablation(repo_root, tmp_path, smoke_pipeline):
     assert cmp["goal_short_tau_ratio_ge_0_97"] == (all((by[b] or 0) >= 0.97 for b in short) if short else None)
     assert cmp["goal_speedup_ge_2"] == (dl["speedup_vs_ar"] >= 2.0) and rep["training_window"] == 1536
     assert cmp["teacher_effect_tau"] == _ratio(dl["tau"], nt["tau"])
+    # In-training estimate next to the held-out figure, per learned method.
+    for stage, name in (("align", "dlite"), ("align_no_teacher", "dlite_no_teacher"), ("dspark", "dspark")):
+        v = rep["val_vs_heldout"][name]
+        assert (v["val_tau"], v["heldout_tau"]) == (rep["best_val_tau"][stage], rep["methods"][name]["tau"])
+        assert v["val_over_heldout"] == _ratio(v["val_tau"], v["heldout_tau"])
+    # The same drafters on prompts nobody here wrote: 2 of the 3 in the file, answered by the target.
+    pr = rep["prompts"]
+    assert pr["n_prompts"] == 2 and set(pr["methods"]) == set(rep["methods"])
+    assert len(Path(pr["sample"]).read_text().splitlines()) == 2
+    assert all(m["lossless"] is True and m["n_rounds"] > 0 for m in pr["methods"].values())
     probe = rep["target_by_bucket"]
     assert probe and set(probe) <= set(rep["bucket_labels"])
     assert all(b["tokens"] > 0 and 0 <= b["next_token_acc"] <= 1 for b in probe.values())
-    for png in ("tau_by_bucket", "accept_at_k", "ablations_tau_by_bucket"):
+    for png in ("tau_by_bucket", "accept_at_k", "tau_vs_context", "ablations_tau_by_bucket"):
         assert (tmp_path / f"quality-{png}.png").stat().st_size > 1000, png
     ab = rep["ablations"]
     row = ab["rows"]["distill_none"]

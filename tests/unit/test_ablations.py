@@ -32,3 +32,16 @@ def test_ablation_config_changes_only_its_switch(name):
     for key in ("eval.min_chars", "eval.max_chars", "eval.turn_pick", "train.steps_teacher",
                 "train.steps_align", "data.length_policy", "drafter.gamma"):
         assert OmegaConf.select(acfg, key) == OmegaConf.select(base, key), key
+
+
+def test_held_out_turns_follow_the_target():
+    """Tiny target: long built-in trajectories, turns spread to the last. SmolLM2 (8K
+    positions, eval.max_context set): turns picked by context from 0 to that limit, so
+    the <1K bucket gets turns too; the experiment's trajectory lengths stay."""
+    tiny = bench_config(load_config("configs/experiments/tiny.yaml"), 1536, budget=200)
+    assert (tiny.eval.turn_pick, tiny.eval.max_context, tiny.eval.min_chars) == ("spread", None, 40000)
+    cfg = load_config("configs/experiments/smollm2.yaml")
+    smol = bench_config(cfg, 1536, budget=200)
+    assert (smol.eval.turn_pick, smol.eval.min_context) == ("context", 0)
+    assert smol.eval.max_context == cfg.eval.max_context and smol.eval.max_chars == cfg.eval.max_chars
+    assert (smol.train.steps_teacher, smol.train.steps_align, smol.train.steps_dspark) == (100, 100, 200)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from pipelines.common.plots import accept_at_k_plot, loss_curves_plot, tau_by_bucket_plot
+from pipelines.common.plots import accept_at_k_plot, loss_curves_plot, tau_by_bucket_plot, tau_vs_context_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # matplotlib's default cycle: the first three methods (sorted by name) get these colours.
@@ -45,6 +45,16 @@ def test_tau_by_bucket_draws_grouped_bars(tmp_path):
     three = {**METHODS, "dlite_no_teacher": {**METHODS["dlite"], "tau_by_bucket": {"<1K": 2.5}}}
     img = _pixels(tau_by_bucket_plot(three, tmp_path / "tau.png"))
     assert all(_has_colour(img, c, 500) for c in (C0, C1, C2))  # bars, not just legend swatches
+
+
+def test_tau_vs_context_draws_one_line_per_method(tmp_path):
+    turns = lambda taus: {"by_temperature": {"0.0": {"per_task": [  # noqa: E731
+        {"context_len": c, "tau": t} for c, t in zip((3000, 500, 7000), taus)]}}}
+    img = _pixels(tau_vs_context_plot({"dlite": turns((2.0, 1.5, 3.0)), "dspark": turns((1.2, 1.6, 1.1))},
+                                      tmp_path / "ctx.png"))
+    assert _has_colour(img, C0, 200) and _has_colour(img, C1, 200) and not _has_colour(img, C2)
+    with pytest.raises(ValueError, match="per-task tau"):
+        tau_vs_context_plot({"dlite": {"by_temperature": {}}}, tmp_path / "none.png")
 
 
 def test_loss_curves(tmp_path):
