@@ -7,7 +7,9 @@ evaluate -> publish, as listed in `run.stages`. Finished stages (same settings, 
 inputs) are skipped, unfinished ones resume. `--dry-run` prints the plan (stages, output
 dirs, what would be skipped) and the resolved config without starting Ray. At the end:
 the results table, the MLflow link, and `<run.output_dir>/<run.name>-<hash>/summary.json`.
-Exit status: 0 done, 1 a stage failed or greedy decoding was not lossless, 2 bad config.
+Exit status: 0 done, 1 a stage failed or greedy decoding was not lossless (strictly for an
+fp32 target, up to the target's ties for a bf16 one: `dlite.decoding.ties.lossless_rule`),
+2 bad config.
 """
 
 import sys
@@ -51,6 +53,7 @@ def main(argv=None) -> int:
 
 def _run(cfg, stages, source: str) -> int:
     from dlite.config import config_hash
+    from dlite.decoding.ties import lossless_rule, lossless_verdict
     from pipelines.orchestration import results
     from pipelines.common import tracking
     from pipelines.orchestration.dag import Context, execute, open_home
@@ -67,8 +70,12 @@ def _run(cfg, stages, source: str) -> int:
     print(results.results_table(done))
     print(f"[pipeline] MLflow run: {summary['mlflow_link']}")
     print(f"[pipeline] done in {summary['seconds']:.0f}s: {home / 'summary.json'}")
-    lossless = done.get("evaluate", {}).get("lossless", True)
-    return 0 if lossless else 1
+    ev = done.get("evaluate")
+    if ev is None:  # evaluation not among this run's stages: nothing to judge
+        return 0
+    lossless = lossless_verdict(ev, cfg.target.dtype)
+    print(f"[pipeline] lossless ({lossless_rule(cfg.target.dtype)}): {lossless}")
+    return 0 if lossless is not False else 1
 
 
 if __name__ == "__main__":

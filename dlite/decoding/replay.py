@@ -13,7 +13,12 @@ and generated until `<|im_end|>` (the tokenizer's EOS) or `max_new_tokens`.
 Speed is compared on the decode phase (after the prefill that yields the first token,
 identical work in both loops): replay re-prefills every history from scratch, which a
 real agent with prefix caching would not, so end-to-end figures (`*_e2e`) understate
-the decode speedup on long histories; both are reported."""
+the decode speedup on long histories; both are reported.
+
+Greedy output is compared token for token: `lossless` is strict (identical outputs).
+A low-precision target can part the two at a tie of its own logits (`dlite.decoding.ties`),
+so each mismatching task also records its first `divergence`, classified tie or not,
+and `lossless_up_to_ties` says whether every mismatch was a tie."""
 
 import dataclasses
 import time
@@ -22,7 +27,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 import torch
 
 from dlite.data import chat
-from dlite.decoding import metrics
+from dlite.decoding import metrics, ties
 from dlite.decoding.decode import plain_generate, speculative_generate
 from dlite.target import eos_ids
 
@@ -128,16 +133,18 @@ def _run_task(target, drafter, task: dict, a: EvalArgs, eos, spec_first: bool, s
 
     for run in ((spec, plain) if spec_first else (plain, spec)):
         run()
+    if a.temperature <= 0:  # after the timed loops: an extra forward only where they part
+        res["divergence"] = ties.divergence(target, task["prompt_ids"], res["spec_ids"], res["plain_ids"])
     return res
 
 
 def _first_mismatch(res: dict) -> Optional[dict]:
     s, p = res["spec_ids"], res["plain_ids"]
-    for k in range(max(len(s), len(p))):
-        if k >= len(s) or k >= len(p) or s[k] != p[k]:
-            return {"id": res["id"], "turn": res["turn"], "index": k,
-                    "spec": s[k] if k < len(s) else None, "plain": p[k] if k < len(p) else None}
-    return None
+    k = ties.first_mismatch(s, p)
+    if k is None:
+        return None
+    return {"id": res["id"], "turn": res["turn"], "index": k,
+            "spec": s[k] if k < len(s) else None, "plain": p[k] if k < len(p) else None}
 
 
 def _speed(results: List[dict], e2e: bool = False) -> dict:
@@ -153,7 +160,7 @@ def _speed(results: List[dict], e2e: bool = False) -> dict:
 def _task_summary(res: dict) -> dict:
     keep = ("id", "turn", "context_len", "spec_ms", "plain_ms")
     return {**{k: res[k] for k in keep}, "tau": metrics.tau(res["rounds"]),
-            "n_tokens": len(res["spec_ids"])}
+            "n_tokens": len(res["spec_ids"]), "divergence": res.get("divergence")}
 
 
 def aggregate(results: List[dict], skipped: int, a: EvalArgs) -> dict:
@@ -163,6 +170,8 @@ def aggregate(results: List[dict], skipped: int, a: EvalArgs) -> dict:
     tps, tps_e2e = _speed(results), _speed(results, e2e=True)
     greedy = a.temperature <= 0
     mismatches = [m for m in map(_first_mismatch, results) if m] if greedy else []
+    # A mismatching task without a recorded divergence (older raw results) is no tie.
+    n_ties = sum(bool((res.get("divergence") or {}).get("tie")) for res in results) if greedy else 0
     by_ctx = {}
     for res in results:
         by_ctx.setdefault(metrics.bucket_of(res["context_len"], a.buckets), []).append(res)
@@ -179,6 +188,9 @@ def aggregate(results: List[dict], skipped: int, a: EvalArgs) -> dict:
         "lossless": (not mismatches) if greedy else None,
         "first_mismatch": mismatches[0] if mismatches else None,
         "n_mismatched_tasks": len(mismatches),
+        # Only each task's first mismatch is classified: after a tie the outputs differ.
+        "lossless_up_to_ties": (n_ties == len(mismatches)) if greedy else None,
+        "n_tie_divergences": n_ties,
         "gamma": gamma, "n_tasks": len(results), "skipped_turns": skipped,
         "n_tokens": {"spec": sum(len(r["spec_ids"]) for r in results),
                      "plain": sum(len(r["plain_ids"]) for r in results)},

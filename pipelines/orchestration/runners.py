@@ -52,13 +52,17 @@ def evaluate(ctx, out: Path, deps: dict) -> dict:
     from pipelines.stages.evaluate import evaluate_stage
     drafters = {METHODS[s]: d["drafter"] for s, d in deps.items() if s in METHODS}
     report = evaluate_stage(ctx.cfg, drafters, out, ctx.parent_run_id)
+    # `lossless` stays strict; jobs.pipeline decides with `lossless_verdict` on these keys.
     return {"report": str(out / "report.json"), "lossless": report["lossless"],
+            "lossless_up_to_ties": report.get("lossless_up_to_ties"),
+            "lossless_rule": report.get("lossless_rule"),
             "methods": {n: _headline(m) for n, m in report["methods"].items()}}
 
 
 def _headline(m: dict) -> dict:
     t1 = next((r for t, r in m["by_temperature"].items() if float(t) > 0), None)
     return {"tau": m["tau"], "speedup_vs_ar": m["speedup_vs_ar"], "lossless": m["lossless"],
+            "lossless_up_to_ties": m.get("lossless_up_to_ties"),
             "tau_t1": t1 and t1["tau"], "speedup_vs_ar_t1": t1 and t1["speedup_vs_ar"],
             "tau_by_bucket": m["tau_by_bucket"]}
 

@@ -7,6 +7,7 @@ the same held-out prompts.
               at every temperature (speculative and plain, so greedy output is checked
               token for token); raw rounds come back and the driver aggregates them
               -> tau, accept_at_k, per-bucket figures, lossless
+                 (strict, and up to the target's ties: `dlite.decoding.ties`)
   speed       afterwards, alone on the machine, ONE task replays the first
               `eval.speed_trajectories` records with every drafter, plain and
               speculative interleaved per prompt so machine noise cancels
@@ -15,7 +16,9 @@ the same held-out prompts.
 Report (ARCHITECTURE.md §3): `{"methods": {name: report}, "primary": name, <the
 primary method's metrics at top level>, "plain", "config", "env"}`; each method's
 report is `dlite.decoding.replay.aggregate`'s, greedy at top level and every temperature
-under `by_temperature`.
+under `by_temperature`. `lossless` stays strict (token-identical); `lossless_rule` names
+what the pipeline decides on: "exact" for an fp32 target, "up_to_ties(bf16)" (the
+report's `lossless_up_to_ties`) for a bf16 one (`dlite.decoding.ties.lossless_verdict`).
 """
 
 import json
@@ -83,6 +86,7 @@ def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, tempera
 
 def _method_report(cfg, name: str, parts: list, speed: dict, temperatures: list) -> dict:
     from dlite.decoding.replay import aggregate, resolve_args
+    from dlite.decoding.ties import lossless_rule
     by_t = {}
     for t in temperatures:
         key, a = str(t), resolve_args(cfg.eval, temperature=t)
@@ -92,15 +96,19 @@ def _method_report(cfg, name: str, parts: list, speed: dict, temperatures: list)
         rep.update({k: fast[k] for k in SPEED_KEYS}, speed_tasks=fast["n_tasks"])
         if rep["lossless"] is not None:  # the speed replay is checked too
             rep["lossless"] = rep["lossless"] and fast["lossless"]
+            rep["lossless_up_to_ties"] = rep["lossless_up_to_ties"] and fast["lossless_up_to_ties"]
         by_t[key] = rep
     first = by_t[str(min(temperatures))]
     return {**{k: v for k, v in first.items() if k != "per_task"}, "temperature": min(temperatures),
-            "by_temperature": by_t, "lossless": all(r["lossless"] is not False for r in by_t.values())}
+            "by_temperature": by_t, "lossless": all(r["lossless"] is not False for r in by_t.values()),
+            "lossless_up_to_ties": all(r["lossless_up_to_ties"] is not False for r in by_t.values()),
+            "lossless_rule": lossless_rule(cfg.target.dtype)}
 
 
 def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     """Acceptance over workers, then speed on one; the report of every drafter."""
     from dlite import target as tgt
+    from dlite.decoding.ties import lossless_rule
     from dlite.envinfo import env_info
     if not drafters:
         raise ValueError("evaluate: no drafters to evaluate")
@@ -130,6 +138,8 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
             "time_split", "lossless", "bucket_labels", "gamma")
     return {"methods": methods, "primary": primary, **{k: methods[primary][k] for k in keep},
             "lossless": all(m["lossless"] for m in methods.values()),
+            "lossless_up_to_ties": all(m["lossless_up_to_ties"] for m in methods.values()),
+            "lossless_rule": lossless_rule(cfg.target.dtype),
             "plain": {"tokens_per_s": methods[primary]["tokens_per_s"]["plain"]},
             "n_trajectories": len(records), "target_fingerprint": tgt.fingerprint(cfg.target),
             "config": conf, "env": env_info()}
@@ -162,6 +172,7 @@ def metric_items(report: dict) -> dict:
             out.update({f"{pre}.accept_at_k.{i + 1}": v for i, v in enumerate(r["accept_at_k"]) if v is not None})
             out.update({f"{pre}.tau_by_bucket.{metric_label(b)}": v for b, v in r["tau_by_bucket"].items() if v is not None})
         out[f"{name}.lossless"] = float(bool(m["lossless"]))
+        out[f"{name}.lossless_up_to_ties"] = float(bool(m.get("lossless_up_to_ties", m["lossless"])))
     return out
 
 

@@ -11,7 +11,9 @@
             (sha256 of model.safetensors) never get a second version: a rerun reuses it
   aliases   `candidate` -> this version always; `production` -> this version only when
             the release gate passes (`release_gate`, a pure function), else it stays
-            where it was and the failing checks are tagged on the version and the run
+            where it was and the failing checks are tagged on the version and the run;
+            its lossless check follows `lossless_rule(target.dtype)`: strict for an
+            fp32 target, up to the target's ties for a bf16 one (`dlite.decoding.ties`)
 
 Versions are never overwritten or deleted; only aliases and the `dlite.gate*` tags move.
 """
@@ -26,6 +28,7 @@ from typing import Optional
 from dlite.card import (TRAIN_STAGES, by_temperature, card_sections, fingerprint_id, finite,
                         primary_method, report_methods)
 from dlite.config import REPO_ROOT, config_hash
+from dlite.decoding.ties import lossless_rule, lossless_verdict
 from dlite.export import model_card
 from pipelines.common import plots, tracking
 TAG = "dlite."
@@ -98,7 +101,7 @@ def metric_tags(r: dict) -> dict:
     tags = {}
     for t, m in by_temperature(r):
         sfx = "" if t == 0 else f"_T{t:g}"
-        for key in ("tau", "speedup_vs_ar", "lossless", "accept_at_k", "tau_by_bucket"):
+        for key in ("tau", "speedup_vs_ar", "lossless", "lossless_up_to_ties", "accept_at_k", "tau_by_bucket"):
             if m.get(key) is not None:
                 tags[f"{METRIC_TAG}{key}{sfx}"] = json.dumps(m[key])
     return tags
@@ -239,8 +242,15 @@ def _gate_and_alias(c, cfg, name: str, mv) -> tuple:
     before = _production(c, name)
     # The version's own tags, not this report: a reused version is gated on what it was
     # registered with, so a rerun decides the same way unless production moved.
-    gate = release_gate(tagged_metrics(mv.tags), before, cfg.gate.min_tau, cfg.gate.min_speedup,
-                        cfg.gate.tolerance)
+    metrics = tagged_metrics(mv.tags)
+    raw = mv.tags.get(METRIC_TAG + "lossless_up_to_ties")  # absent on older versions: strict
+    if raw is not None:
+        metrics["lossless_up_to_ties"] = json.loads(raw)
+    # A bf16 target's own ties may part its outputs: the gate's lossless check reads the
+    # verdict of the target dtype's rule, the version keeps the strict tag.
+    metrics["lossless"] = lossless_verdict(metrics, cfg.target.dtype)
+    gate = release_gate(metrics, before, cfg.gate.min_tau, cfg.gate.min_speedup, cfg.gate.tolerance)
+    gate["lossless_rule"] = lossless_rule(cfg.target.dtype)
     c.set_registered_model_alias(name, "candidate", mv.version)
     if gate["passed"]:
         c.set_registered_model_alias(name, "production", mv.version)

@@ -15,12 +15,12 @@ this target's logits of ~8, whose bf16 spacing is 0.06), and exact ties are comm
 that spacing, so plain and speculative decoding may each pick a different top token
 (measured on this machine: 4 of 12 prompts x 48 tokens parted at an exact tie, the
 same place for all three drafters). The prompts below run token-identical here;
-`assert_lossless` fails on any divergence a tie cannot explain, and
+`assert_lossless` fails on any divergence a tie cannot explain (the library's rule,
+`dlite.decoding.ties`, which evaluation reports as `lossless_up_to_ties`), and
 `test_a_broken_crop_is_caught_in_bf16` shows that it has teeth."""
 
 import dataclasses
 import json
-import math
 
 import pytest
 import torch
@@ -32,8 +32,9 @@ from dlite.bench.draft_cost import CONFIG_DIR, load_drafter_yaml
 from dlite.config import load_config
 from dlite.corpus import trajectories as corpus
 from dlite.data.draft_vocab import build_draft_vocab, supervised_counts
-from dlite.decoding import decode
+from dlite.decoding import decode, ties
 from dlite.decoding.decode import plain_generate, speculative_generate
+from dlite.decoding.replay import EvalArgs, _run_task, aggregate
 from dlite.export import load_drafter, save_drafter
 from dlite.models import LEARNED_MASK, build_drafter
 from dlite.train.data import collate, epoch_batches, inprocess_rows
@@ -43,7 +44,6 @@ from dlite.train.step import compute_loss
 
 BF16 = torch.bfloat16
 STEPS, NEW_TOKENS = 30, 48
-TIE_ULPS = 8  # bf16 spacings between two logits that count as a tie (measured noise: <= 4)
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +96,15 @@ def _floating(module):
 
 def assert_lossless(model, prompt, spec, plain) -> int:
     """spec == plain, or they part where the target's logits of the two tokens are within
-    TIE_ULPS bf16 spacings (judged on one prefill of prompt + plain). Returns the
-    number of identical leading tokens."""
-    k = next((i for i, (s, p) in enumerate(zip(spec, plain)) if s != p), min(len(spec), len(plain)))
-    if spec == plain:
-        return k
-    assert k < min(len(spec), len(plain)), f"lengths differ: {len(spec)} vs {len(plain)}"
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([list(prompt) + plain[:k]])).logits[0, -1].float()
-    a, b = logits[plain[k]].item(), logits[spec[k]].item()
-    ulp = 2.0 ** (math.floor(math.log2(max(abs(a), abs(b), 1e-3))) - 7)  # bf16: 8 significant bits
-    assert abs(a - b) <= TIE_ULPS * ulp, (
-        f"not lossless at token {k}: plain {plain[k]} (logit {a:.4f}) vs speculative {spec[k]} "
-        f"(logit {b:.4f}), {abs(a - b) / ulp:.1f} bf16 spacings apart")
-    return k
+    `ties.TIE_ULPS` spacings of its dtype (`ties.divergence`: one prefill of prompt +
+    plain). Returns the number of identical leading tokens."""
+    d = ties.divergence(model, prompt, spec, plain)
+    if d is None:
+        return len(plain)
+    assert d["tie"], (f"not lossless at token {d['index']}: plain {d['plain']} vs speculative "
+                      f"{d['spec']} (lengths {len(plain)} / {len(spec)}), logit gap {d['logit_gap']} "
+                      f"> tolerance {d['tol']}")
+    return d["index"]
 
 
 def test_target_loads_in_bf16_and_few_rows_steps_aside(setup):
@@ -203,6 +198,57 @@ def test_a_broken_crop_is_caught_in_bf16(setup, monkeypatch):
     spec, _ = speculative_generate(model, drafter, prompt, NEW_TOKENS)
     with pytest.raises(AssertionError, match="not lossless"):
         assert_lossless(model, prompt, spec, plain)
+    # The evaluation's own record of it: the divergence is no tie, so neither verdict holds.
+    a = EvalArgs(max_new_tokens=NEW_TOKENS, buckets=(1024,))
+    res = _run_task(model, drafter, {"id": "p", "turn": 0, "prompt_ids": prompt}, a, [], True, 0)
+    d = res["divergence"]
+    assert d and not d["tie"] and d["logit_gap"] > d["tol"] and d["plain"] == res["plain_ids"][d["index"]]
+    report = aggregate([res], 0, a)
+    assert report["lossless"] is False and report["lossless_up_to_ties"] is False
+    assert report["n_tie_divergences"] == 0 and report["per_task"][0]["divergence"] == d
+    assert ties.lossless_verdict(report, cfg.target.dtype) is False
+
+
+def test_a_tie_is_told_from_a_real_divergence():
+    """The rule on hand-made logits: the measured exact tie (two bf16 logits of 8.0625),
+    up to TIE_ULPS spacings (0.0625 at 8..16) is a tie, one more is not; fp32's spacing
+    makes the same rule strict."""
+    logits = torch.zeros(1000, dtype=BF16)
+    logits[282] = logits[562] = 8.0625
+    assert ties.classify(logits, 282, 562, BF16) == {"logit_gap": 0.0, "tol": 0.5, "tie": True}
+    logits[7] = 8.0625 + 0.0625 * ties.TIE_ULPS
+    logits[9] = 8.0625 + 0.0625 * (ties.TIE_ULPS + 1)
+    assert ties.classify(logits, 7, 562, BF16)["tie"] and not ties.classify(logits, 9, 562, BF16)["tie"]
+    fp32 = logits.float()
+    fp32[5] = 8.0625 + 1e-4
+    assert ties.classify(fp32, 282, 562, torch.float32)["tie"]
+    assert not ties.classify(fp32, 5, 562, torch.float32)["tie"]
+    assert ties.first_mismatch([1, 2, 3], [1, 2, 3]) is None and ties.first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def _result(spec, plain, divergence):
+    return {"id": "t", "turn": 0, "context_len": 10, "spec_ids": spec, "plain_ids": plain, "gamma": 4,
+            "rounds": [], "spec_ms": 1.0, "plain_ms": 1.0, "spec_e2e_ms": 1.0, "plain_e2e_ms": 1.0,
+            "divergence": divergence}
+
+
+def test_aggregate_reports_ties_and_keeps_lossless_strict():
+    """A task that parted at a tie: `lossless` is False (strict, unchanged), while
+    `lossless_up_to_ties` holds, and the pipeline's verdict follows the target's dtype;
+    one real divergence besides makes both False."""
+    tie = {"index": 1, "spec": 5, "plain": 6, "logit_gap": 0.0, "tol": 0.5, "tie": True}
+    a = EvalArgs(buckets=(1024,))
+    rep = aggregate([_result([1, 2], [1, 2], None), _result([4, 5, 9], [4, 6, 7], tie)], 0, a)
+    assert rep["lossless"] is False and rep["n_mismatched_tasks"] == 1
+    assert rep["lossless_up_to_ties"] is True and rep["n_tie_divergences"] == 1
+    assert ties.lossless_verdict(rep, "bfloat16") is True and ties.lossless_rule("bfloat16") == "up_to_ties(bf16)"
+    assert ties.lossless_verdict(rep, "float32") is False and ties.lossless_rule(torch.float32) == "exact"
+    real = dict(tie, tie=False, logit_gap=3.0)
+    rep = aggregate([_result([4, 5], [4, 6], tie), _result([3, 8], [3, 1], real)], 0, a)
+    assert rep["lossless_up_to_ties"] is False and rep["n_tie_divergences"] == 1
+    assert ties.lossless_verdict(rep, "bfloat16") is False
+    sampled = aggregate([_result([4, 5], [4, 6], None)], 0, EvalArgs(temperature=1.0, buckets=(1024,)))
+    assert sampled["lossless"] is None and sampled["lossless_up_to_ties"] is None
 
 
 @pytest.mark.parametrize("arch", ["dlite", "dspark"])

@@ -13,12 +13,12 @@ import torch
 from scipy.stats import chisquare
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dlite.decoding import decode, verify
+from dlite.decoding import decode, ties, verify
 from dlite.decoding.capture import LayerCapture
 from dlite.decoding.decode import crop_cache, new_cache, plain_generate, speculative_generate, target_forward
 from dlite.decoding.metrics import accept_at_k, tau
 from dlite.decoding.oracle import RandomDrafter, TargetAsDrafter
-from dlite.decoding.replay import evaluate_prompts, iter_tasks
+from dlite.decoding.replay import EvalArgs, _run_task, aggregate, evaluate_prompts, iter_tasks
 
 GAMMA = 4
 
@@ -144,6 +144,14 @@ def test_a_broken_crop_breaks_losslessness(target, monkeypatch):
     monkeypatch.setattr(decode, "crop_cache", lambda cache, length: None)
     out, _ = speculative_generate(target, DRAFTERS["random"](target, prompt), prompt, 30)
     assert out != ref
+    # fp32: the tie rule is effectively strict, so evaluation's two verdicts agree.
+    a = EvalArgs(max_new_tokens=30, buckets=(1024,))
+    res = _run_task(target, DRAFTERS["random"](target, prompt), {"id": 0, "turn": 0, "prompt_ids": prompt},
+                    a, [], True, 0)
+    assert res["divergence"] and not res["divergence"]["tie"]
+    report = aggregate([res], 0, a)
+    assert report["lossless"] is False and report["lossless_up_to_ties"] is False
+    assert ties.lossless_verdict(report, "float32") is False
 
 
 @pytest.mark.parametrize("name", ["random", "oracle"])
@@ -293,6 +301,8 @@ def test_replay_grows_histories_and_reports(tokenizer):
                 "tokens_per_s", "time_split", "lossless"):
         assert key in report
     assert report["lossless"] is True and report["tau"] == GAMMA + 1 and report["n_tasks"] == 4
+    assert report["lossless_up_to_ties"] is True and report["n_tie_divergences"] == 0
+    assert all(t["divergence"] is None for t in report["per_task"])
     turns = [t for t in report["per_task"] if t["id"] is None]
     assert turns[0]["context_len"] < turns[1]["context_len"]  # 2nd turn holds the 1st reply
     assert set(report["tau_by_bucket"]) <= {"<16", "16-64", ">64"}
