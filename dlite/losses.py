@@ -3,14 +3,35 @@ per-slot targets and reference rows for a set of anchors out of a sequence.
 
 Slot j (0-based) of the block anchored at position a predicts the token at a+j+1.
 Its data token is input_ids[a+j+1]; its reference distribution is the target's at
-position a+j (the row computed from hidden state a+j predicts token a+j+1)."""
+position a+j (the row computed from hidden state a+j predicts token a+j+1).
 
-from typing import Optional, Tuple
+Memory (issue 16): a [rows, V] fp32 tensor over all B*A*γ slot rows is 8.7 GB at
+Qwen3-4B's B=4, A=512, γ=7, V=151936, and the one-shot loss makes several. `dlite_loss`
+walks the rows in chunks (`chunk_rows`, default ~256 MiB per fp32 [rows, widest] block):
+each chunk builds its reference probabilities from compact per-slot rows
+(`RowReference`: target hidden states, top-k, logits or probabilities) and its gradient
+at once, so no full-size intermediate exists and backward hands back one buffer shaped
+like the logits. `dlite_loss_unchunked` is the one-shot version, kept as the oracle the
+chunked loss is tested against and as the baseline of dlite/bench/loss_memory.py."""
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from dlite.models.common import gather_positions
+
+# Bytes of one chunk's widest fp32 [rows, width] block: 441 rows at V = 151936. A chunk
+# holds two such blocks (logits, softmax) at its peak: ~0.5 GB at Qwen3-4B, measured.
+CHUNK_BYTES = 256 * 2**20
+# lm_head rows cast to fp32 at a time: a bf16 lm_head is never copied whole (1.6 GB).
+LM_HEAD_BLOCK = 16384
+
+
+def chunk_rows_for(width: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Rows per loss chunk such that one fp32 [rows, width] block is ~chunk_bytes."""
+    return max(1, chunk_bytes // (4 * width))
 
 
 def position_weights(gamma: int, decay: float = 4.0, device=None) -> torch.Tensor:
@@ -22,7 +43,14 @@ def block_targets(input_ids: torch.Tensor, anchors: torch.Tensor, gamma: int,
                   loss_mask: Optional[torch.Tensor] = None, anchor_mask: Optional[torch.Tensor] = None,
                   seq_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Data tokens [B, A, g] (input_ids at a+j+1) and `valid` [B, A, g]: inside the
-    sequence, a supervised token (loss_mask), a real anchor, and in the anchor's segment."""
+    sequence, a supervised token (loss_mask), a real anchor, and in the anchor's segment.
+
+    Slot j's validity does NOT require slots < j to be valid (decided, issue 16): with
+    teacher forcing slot j sees the data tokens before it, so its data token and the
+    target's distribution at a+j are a well-defined target even after an unsupervised
+    slot (an assistant token after a chat-template or tool token inside the block);
+    acceptance chaining is an inference matter, applied by tau_est's product of per-slot
+    rates. The sequence end and a packing boundary (seq_ids) do cut every later slot."""
     L = input_ids.shape[1]
     pos = anchors[..., None] + 1 + torch.arange(gamma, device=anchors.device)
     valid = pos < L
@@ -43,8 +71,16 @@ def gather_block_rows(rows: torch.Tensor, anchors: torch.Tensor, gamma: int, off
 
 
 def ref_probs_from_hidden(ref_hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-    """The target's exact distribution from its final post-norm hidden states."""
-    return torch.softmax(F.linear(ref_hidden.float(), lm_head_weight.float()), dim=-1)
+    """The target's exact distribution from its final post-norm hidden states, in fp32.
+    A low-precision lm_head is cast LM_HEAD_BLOCK rows at a time, not copied whole."""
+    h = ref_hidden.float()
+    if lm_head_weight.dtype == torch.float32:
+        return torch.softmax(F.linear(h, lm_head_weight), dim=-1)
+    V = lm_head_weight.shape[0]
+    logits = h.new_empty(*h.shape[:-1], V)
+    for i in range(0, V, LM_HEAD_BLOCK):
+        logits[..., i:i + LM_HEAD_BLOCK] = F.linear(h, lm_head_weight[i:i + LM_HEAD_BLOCK].float())
+    return torch.softmax(logits, dim=-1)
 
 
 def ref_probs_from_topk(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab_size: int):
@@ -56,19 +92,140 @@ def ref_probs_from_topk(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, voc
     return p / p.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
-def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
-               p_ref: torch.Tensor, ce_weight: float = 0.1, l1_weight: float = 0.9,
-               decay: float = 4.0, ce_valid: Optional[torch.Tensor] = None):
+def restrict(p: torch.Tensor, draft_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """p's columns at the draft ids, NOT renormalised (see step.reference_rows)."""
+    return p if draft_ids is None else p.index_select(-1, draft_ids)
+
+
+@dataclass
+class RowReference:
+    """Every slot's reference as compact rows, turned into fp32 probabilities [rows, N]
+    one chunk at a time (`probs`), so the whole [..., γ, N] p_ref never has to exist.
+    `rows`: tensors [..., γ, F] with the same leading shape; `to_probs(*rows)` maps them
+    to probabilities over the last dim; `width`: the widest row it builds (V when it
+    re-projects through the target's lm_head), which sizes the default chunk."""
+    rows: Tuple[torch.Tensor, ...]
+    to_probs: Callable
+    width: int
+
+    def probs(self, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        """Probabilities of the flattened rows start..stop."""
+        return self.to_probs(*(r.reshape(-1, r.shape[-1])[start:stop] for r in self.rows))
+
+    def full(self) -> torch.Tensor:
+        """All of p_ref [..., γ, N] at once (tests, small batches)."""
+        return self.to_probs(*self.rows)
+
+
+def hidden_reference(ref_hidden, lm_head_weight, draft_ids=None) -> RowReference:
+    """The target's exact distribution from final hidden states [..., γ, H]."""
+    return RowReference((ref_hidden,), lambda h: restrict(ref_probs_from_hidden(h, lm_head_weight), draft_ids),
+                        lm_head_weight.shape[0])
+
+
+def topk_reference(topk_ids, topk_logprobs, vocab_size: int, draft_ids=None) -> RowReference:
+    """The approximate top-k reference (`ref_probs_from_topk`) from [..., γ, k] rows."""
+    return RowReference((topk_ids, topk_logprobs),
+                        lambda i, lp: restrict(ref_probs_from_topk(i, lp, vocab_size), draft_ids), vocab_size)
+
+
+def logits_reference(logits) -> RowReference:
+    """softmax of a teacher's logits [..., γ, N] (already over the student's vocabulary)."""
+    return RowReference((logits,), lambda z: torch.softmax(z.float(), dim=-1), logits.shape[-1])
+
+
+def probs_reference(p_ref) -> RowReference:
+    """Probabilities [..., γ, N] given as they are."""
+    return RowReference((p_ref,), lambda p: p.float(), p_ref.shape[-1])
+
+
+def _row_terms(z: torch.Tensor, targets: torch.Tensor, p_ref: torch.Tensor):
+    """Per-row CE of the data token, L1 distance to the reference and the draft's p,
+    for logits rows z [rows, N] (fp32 inside; -1 targets read column 0, masked later)."""
+    logp = torch.log_softmax(z.float(), -1)
+    ce = -logp.gather(-1, targets.long().clamp_min(0)[..., None])[..., 0]
+    p = logp.exp()
+    return ce, (p - p_ref.float()).abs().sum(-1), p
+
+
+def _chunk(z, targets, coef_ce, coef_l1, ref, grad, i: int, j: int):
+    """Rows i..j of `_ChunkedLoss`: their gradient into grad[i:j] (when grad is given) and
+    their small per-row results. A function of its own so that the chunk's [rows, V] and
+    [rows, N] tensors are freed on return, before the next chunk allocates its own."""
+    p_ref = ref.probs(i, j)  # grad mode is off in forward: the reference has no graph
+    with torch.enable_grad():
+        zc = z[i:j].detach().requires_grad_(grad is not None)
+        ce, l1, p = _row_terms(zc, targets[i:j], p_ref)
+        if grad is not None:
+            grad[i:j] = torch.autograd.grad((coef_ce[i:j] * ce + coef_l1[i:j] * l1).sum(), zc)[0]
+    return (ce.detach(), l1.detach(), torch.minimum(p.detach(), p_ref).sum(-1),
+            zc.detach().argmax(-1) == targets[i:j])
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """sum_r coef_ce[r] CE_r + coef_l1[r] L1_r over flat rows, one chunk at a time. Each
+    chunk's gradient is taken in forward, with autograd over the same ops as the one-shot
+    loss, into one buffer like z that backward returns (scaled): nothing [rows, V] outlives
+    its chunk and nothing is recomputed. Also returns per-row CE, L1, acceptance
+    sum_x min(p, p_ref) and argmax hit, without gradient."""
+
+    @staticmethod
+    def forward(ctx, z, targets, coef_ce, coef_l1, ref, chunk_rows, need_grad):
+        grad = torch.empty_like(z) if need_grad else None
+        out = [_chunk(z, targets, coef_ce, coef_l1, ref, grad, i, i + chunk_rows)
+               for i in range(0, z.shape[0], chunk_rows)]
+        ce, l1, accept, hit = (torch.cat(t) for t in zip(*out))
+        ctx.grad = grad
+        ctx.mark_non_differentiable(ce, l1, accept, hit)
+        return (coef_ce * ce + coef_l1 * l1).sum(), ce, l1, accept, hit
+
+    @staticmethod
+    def backward(ctx, g_loss, *_):
+        if ctx.grad is None:
+            raise RuntimeError("dlite_loss: its gradient was already handed back (backward twice?)")
+        grad, ctx.grad = ctx.grad, None  # in place, once: no second [rows, N] buffer
+        return grad.mul_(g_loss), None, None, None, None, None, None
+
+
+def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, p_ref,
+               ce_weight: float = 0.1, l1_weight: float = 0.9, decay: float = 4.0,
+               ce_valid: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None):
     """loss = sum_k w_k (ce_w * CE(logits_k, x*_k) + l1_w * |softmax(logits_k) - p_ref_k|_1)
     / sum_k w_k, over valid slots only (a weighted mean: invalid slots drop out of both
     sums, so a block cut short by the sequence end still counts its early slots).
 
-    logits [..., g, V], targets/valid [..., g], p_ref [..., g, V] (probabilities).
-    `ce_valid` [..., g] (default `valid`) limits the CE term to slots whose data token the
-    drafter can emit: with a draft vocabulary a token outside it has no logit (targets
-    -1 there), so it is not learnable; the L1 term still counts on every valid slot.
+    logits [..., g, N], targets/valid [..., g]; p_ref: probabilities [..., g, N] or a
+    `RowReference` building them chunk by chunk. `ce_valid` [..., g] (default `valid`)
+    limits the CE term to slots whose data token the drafter can emit: with a draft
+    vocabulary a token outside it has no logit (targets -1 there), so it is not
+    learnable; the L1 term still counts on every valid slot. `chunk_rows`: slot rows per
+    chunk (default `chunk_rows_for` the widest of N and the reference's width).
     Returns (loss, metrics) with per-slot loss / CE / L1 / accuracy and the teacher-forced
     acceptance estimate sum_x min(p_draft, p_ref) per slot, and tau_est from it."""
+    g, N = logits.shape[-2], logits.shape[-1]
+    ref = p_ref if isinstance(p_ref, RowReference) else probs_reference(p_ref)
+    if ref.rows[0].numel() // ref.rows[0].shape[-1] != logits.numel() // N:
+        raise ValueError(f"reference rows {tuple(ref.rows[0].shape)} do not match logits {tuple(logits.shape)}")
+    targets, valid = targets.reshape(-1, g), valid.reshape(-1, g).float()
+    ce_on = valid if ce_valid is None else ce_valid.reshape(-1, g).float() * valid
+    w = position_weights(g, decay, logits.device)[None] * valid
+    scale = (w / w.sum().clamp_min(1e-12)).reshape(-1)
+    need_grad = torch.is_grad_enabled() and logits.requires_grad
+    loss, ce, l1, accept, hit = _ChunkedLoss.apply(
+        logits.reshape(-1, N), targets.reshape(-1), ce_weight * ce_on.reshape(-1) * scale,
+        l1_weight * scale, ref, chunk_rows or chunk_rows_for(max(N, ref.width)), need_grad)
+    ce, l1 = ce.view(-1, g) * ce_on, l1.view(-1, g)
+    per_slot = ce_weight * ce + l1_weight * l1                       # [rows / g, g]
+    m = _metrics(loss, per_slot, ce, l1, accept.view(-1, g), hit.view(-1, g), valid, ce_on)
+    return loss, {**m, "loss_weight": float(w.sum())}  # what pools `loss` over batches
+
+
+def dlite_loss_unchunked(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                         p_ref: torch.Tensor, ce_weight: float = 0.1, l1_weight: float = 0.9,
+                         decay: float = 4.0, ce_valid: Optional[torch.Tensor] = None):
+    """`dlite_loss` in one shot (p_ref: probabilities [..., g, N]), every [rows, N] fp32
+    intermediate at once: the oracle the chunked loss is tested against, and the
+    memory benchmark's baseline. Not for training at production sizes."""
     g = logits.shape[-2]
     logits = logits.reshape(-1, g, logits.shape[-1]).float()
     p_ref = p_ref.reshape(-1, g, p_ref.shape[-1])
@@ -81,8 +238,10 @@ def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
     per_slot = ce_weight * ce + l1_weight * l1                       # [N, g]
     w = position_weights(g, decay, logits.device)[None] * valid
     loss = (per_slot * w).sum() / w.sum().clamp_min(1e-12)
-    m = _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid, ce_on)
-    return loss, {**m, "loss_weight": float(w.sum())}  # what pools `loss` over batches
+    with torch.no_grad():
+        accept, hit = torch.minimum(p, p_ref.float()).sum(-1), logits.argmax(-1) == targets
+    m = _metrics(loss, per_slot, ce, l1, accept, hit, valid, ce_on)
+    return loss, {**m, "loss_weight": float(w.sum())}
 
 
 def expected_tau(accept_at_k) -> float:
@@ -96,20 +255,20 @@ def expected_tau(accept_at_k) -> float:
 
 
 @torch.no_grad()
-def _metrics(loss, per_slot, ce, l1, p, p_ref, logits, targets, valid, ce_on) -> dict:
+def _metrics(loss, per_slot, ce, l1, accept, hit, valid, ce_on) -> dict:
     """Per-slot means over valid slots (CE: over `ce_on` slots), as Python floats ready
-    to log. An unlearnable target (-1) never counts as correct in `acc_at_k`."""
+    to log, from per-slot [blocks, g] terms, acceptance sum_x min(p, p_ref) and argmax
+    hits. An unlearnable target (-1) never counts as correct in `acc_at_k`."""
     n = valid.sum(0).clamp_min(1)
     slot = lambda t: ((t.float() * valid).sum(0) / n).tolist()
-    accept = slot(torch.minimum(p, p_ref.float()).sum(-1))
+    accept = slot(accept)
     tau = expected_tau(accept)
     nv = valid.sum().clamp_min(1)
     n_ce = ce_on.sum(0).clamp_min(1)
     return {"loss": loss.item(), "ce": ((ce * ce_on).sum() / ce_on.sum().clamp_min(1)).item(),
             "l1": ((l1 * valid).sum() / nv).item(), "loss_at_k": slot(per_slot),
             "ce_at_k": ((ce * ce_on).sum(0) / n_ce).tolist(),
-            "acc_at_k": slot(logits.argmax(-1) == targets),
-            "accept_est_at_k": accept, "tau_est": tau, "valid_slots": int(valid.sum().item()),
+            "acc_at_k": slot(hit), "accept_est_at_k": accept, "tau_est": tau,
+            "valid_slots": int(valid.sum().item()),
             "valid_at_k": valid.sum(0).long().tolist(),  # what pools accept_est_at_k
             "valid_blocks": int((valid.sum(-1) > 0).sum().item())}
-

@@ -22,6 +22,8 @@ step vs one verified block at each `--context-lengths` (`--threads`, default 1).
 `lookup_check`: prompt lookup in our decoding loop vs transformers' own
 `generate(prompt_lookup_num_tokens=gamma)` on the evaluation's held-out turns: the two
 speedups over their own plain decoding, which should agree if our timing is honest.
+`loss_memory`: peak memory of the training loss, one-shot vs chunked, extrapolated to the
+production batch (goal <= 2 GB).
 `shape_rehearsal`: the Qwen3-4B DLite drafter's shapes on CPU in bf16 (train step, draft
 round, export round trip), peak RSS and time per phase.
 `gpu_check`: the prepared first GPU run (`scripts/gpu_check.sh` passes its sizes): the
@@ -121,6 +123,16 @@ def lookup_check(cfg, args) -> dict:
             "config": OmegaConf.to_container(cfg, resolve=True), "env": env_info()}
 
 
+def loss_memory(cfg, args) -> dict:
+    # Peak memory of one loss forward+backward, one-shot vs chunked (issue 16), measured
+    # on CPU in a fresh subprocess each at B=1 (A=512, 768) and extrapolated to B=4,
+    # A=512, γ=7 at Qwen3-4B's fixed widths (V 151936, N 32768, H 2560; not from --config:
+    # the question is the production shape). ~4 min, ~7.5 GB RAM at peak, Linux only.
+    from dlite.bench.loss_memory import run
+    from dlite.envinfo import env_info
+    return {**run(threads=args.threads), "env": env_info()}
+
+
 def shape_rehearsal(cfg, args) -> dict:
     # The Qwen3-4B DLite drafter's real shapes on CPU in bf16: one train step, one
     # speculative round and the export round trip against a random-weight Qwen3-4B-shaped
@@ -140,7 +152,7 @@ def gpu_check(cfg, args) -> dict:
 
 
 BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality,
-              "target_probe": target_probe, "lookup_check": lookup_check, "shape_rehearsal": shape_rehearsal,
+              "target_probe": target_probe, "lookup_check": lookup_check, "loss_memory": loss_memory, "shape_rehearsal": shape_rehearsal,
               "gpu_check": gpu_check}
 
 

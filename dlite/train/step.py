@@ -6,43 +6,51 @@ teacher run on the same batch."""
 
 import torch
 
-from dlite.losses import (block_targets, dlite_loss, expected_tau, gather_block_rows,
-                          ref_probs_from_hidden, ref_probs_from_topk)
+from dlite.losses import (RowReference, block_targets, dlite_loss, expected_tau, gather_block_rows,
+                          hidden_reference, logits_reference, topk_reference)
 
 
-def reference_probs(batch: dict, anchors, gamma: int, vocab, teacher=None) -> torch.Tensor:
-    """p_ref [B, A, γ, N] for every slot of every block, over the drafter's vocabulary
-    (`vocab`: its FrozenVocab). The target's distribution is computed over all V tokens
-    (the softmax needs the whole normaliser) and then restricted to the draft ids; a
-    teacher shares the student's draft vocabulary, so its softmax is already over N."""
+def reference_rows(batch: dict, anchors, gamma: int, vocab, teacher=None) -> RowReference:
+    """Every slot's reference [B, A, γ, ...] as compact rows (target hidden states, top-k
+    or teacher logits) that the loss turns into p_ref over the drafter's vocabulary
+    (`vocab`: its FrozenVocab) one chunk of rows at a time. The target's distribution is
+    computed over all V tokens (the softmax needs the whole normaliser) and then
+    restricted to the draft ids; a teacher shares the student's draft vocabulary, so its
+    softmax is already over N."""
     if teacher is not None:
         with torch.no_grad():
-            return torch.softmax(teacher.forward_train(batch).float(), dim=-1)
+            return logits_reference(teacher.forward_train(batch))
     V, lm_head = vocab.embed_weight.shape[0], vocab.lm_head_weight
-    if "ref_hidden_blocks" in batch:  # `anchors` storage: already one row per slot
-        p = ref_probs_from_hidden(batch["ref_hidden_blocks"], lm_head)
-    elif "topk_ids_blocks" in batch:
-        p = ref_probs_from_topk(batch["topk_ids_blocks"], batch["topk_logprobs_blocks"], V)
-    elif "ref_hidden" in batch:
-        p = ref_probs_from_hidden(gather_block_rows(batch["ref_hidden"], anchors, gamma), lm_head)
-    else:
-        ids = gather_block_rows(batch["topk_ids"], anchors, gamma)
-        p = ref_probs_from_topk(ids, gather_block_rows(batch["topk_logprobs"], anchors, gamma), V)
     # NOT renormalised over the draft vocabulary: with q zero outside it,
     # |q - p_N|_1 = 1 + p(N) - 2 sum_x min(q, p), so the L1 term is exactly the true
     # acceptance rate (mass outside the vocabulary counted as lost), and accept_est /
     # val_tau stay comparable with a full-vocabulary drafter's.
-    return p if vocab.draft_ids is None else p.index_select(-1, vocab.draft_ids)
+    ids = vocab.draft_ids
+    if "ref_hidden_blocks" in batch:  # `anchors` storage: already one row per slot
+        return hidden_reference(batch["ref_hidden_blocks"], lm_head, ids)
+    if "topk_ids_blocks" in batch:
+        return topk_reference(batch["topk_ids_blocks"], batch["topk_logprobs_blocks"], V, ids)
+    if "ref_hidden" in batch:
+        return hidden_reference(gather_block_rows(batch["ref_hidden"], anchors, gamma), lm_head, ids)
+    return topk_reference(gather_block_rows(batch["topk_ids"], anchors, gamma),
+                          gather_block_rows(batch["topk_logprobs"], anchors, gamma), V, ids)
+
+
+def reference_probs(batch: dict, anchors, gamma: int, vocab, teacher=None) -> torch.Tensor:
+    """p_ref [B, A, γ, N] for every slot of every block, all at once (tests, small
+    batches; `reference_rows` says what it is). The loss never builds it whole."""
+    return reference_rows(batch, anchors, gamma, vocab, teacher).full()
 
 
 def compute_loss(model, batch: dict, teacher=None, ce_weight: float = 0.1,
-                 l1_weight: float = 0.9) -> tuple[torch.Tensor, dict]:
+                 l1_weight: float = 0.9, chunk_rows=None) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) for a batch dict: input_ids [B,L], features [B,L,F], anchors [B,A],
     optional loss_mask [B,L], anchor_mask [B,A], seq_ids [B,L], and the reference
     (`ref_hidden` [B,L,H] or `topk_ids`/`topk_logprobs` [B,L,k]; per block, `*_blocks`
     [B,A,γ,...], from `anchors` storage) unless a teacher is given. With a draft
     vocabulary, data tokens outside it are left out of the CE term and counted
-    (`oov_slots`, `oov_share` of valid slots)."""
+    (`oov_slots`, `oov_share` of valid slots). The loss runs over `chunk_rows` slot rows
+    at a time (default: `dlite.losses.chunk_rows_for` the target vocabulary)."""
     anchors, gamma, vocab = batch["anchors"], model.gamma, model.vocab
     if any(k.endswith("_blocks") for k in batch) and (teacher is not None or model.cfg.arch != "dlite"):
         raise ValueError("an `anchors`-storage batch has features at its anchors only: it trains "
@@ -50,11 +58,12 @@ def compute_loss(model, batch: dict, teacher=None, ce_weight: float = 0.1,
     logits = model.forward_train(batch)
     targets, valid = block_targets(batch["input_ids"], anchors, gamma, batch.get("loss_mask"),
                                    batch.get("anchor_mask"), batch.get("seq_ids"))
-    p_ref = reference_probs(batch, anchors, gamma, vocab, teacher)
+    ref = reference_rows(batch, anchors, gamma, vocab, teacher)
     if vocab.draft_ids is None:
-        return dlite_loss(logits, targets, valid, p_ref, ce_weight, l1_weight)
+        return dlite_loss(logits, targets, valid, ref, ce_weight, l1_weight, chunk_rows=chunk_rows)
     targets = vocab.to_draft(targets)  # -1: outside the draft vocabulary, not learnable
-    loss, m = dlite_loss(logits, targets, valid, p_ref, ce_weight, l1_weight, ce_valid=targets >= 0)
+    loss, m = dlite_loss(logits, targets, valid, ref, ce_weight, l1_weight, ce_valid=targets >= 0,
+                         chunk_rows=chunk_rows)
     oov = int((valid & (targets < 0)).sum())
     return loss, {**m, "oov_slots": oov, "oov_share": oov / max(1, m["valid_slots"])}
 

@@ -1,15 +1,24 @@
 """Unit tests for dlite.losses: the weighted CE + L1 loss and its per-slot metrics
 against a hand computation and a closed-form two-token example, masking of invalid
 slots, the acceptance estimate, both reference-signal kinds and the per-anchor
-gathering of targets / reference rows."""
+gathering of targets / reference rows; the chunked loss (issue 16) against the one-shot
+oracle on random tensors and on a tiny drafter with every reference kind (target hidden
+states, top-k, teacher, with and without a draft vocabulary), gradients included; and
+the pinned slot-validity rule of `block_targets`."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from dlite.losses import (block_targets, dlite_loss, gather_block_rows, position_weights,
-                          ref_probs_from_hidden, ref_probs_from_topk)
+from dlite import losses
+from dlite.losses import (block_targets, dlite_loss, dlite_loss_unchunked, gather_block_rows,
+                          hidden_reference, position_weights, ref_probs_from_hidden,
+                          ref_probs_from_topk, topk_reference)
+from dlite.models import LEARNED_MASK, DrafterConfig, build_drafter
+from dlite.train.step import compute_loss, reference_probs
 
 
 
@@ -131,3 +140,135 @@ def test_block_targets_and_rows():
     _, valid = block_targets(ids, anchors, 3, anchor_mask=torch.tensor([[True, False]]),
                              seq_ids=torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1]]))
     assert valid[0, 0].tolist() == [True, False, False] and not valid[0, 1].any()
+
+
+def assert_same(got, want, rel=1e-5):
+    """Loss / metrics / gradients equal within relative 1e-5 (gradients: of their scale)."""
+    if torch.is_tensor(want):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=rel, atol=rel * float(want.detach().abs().max()))
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k] == pytest.approx(want[k], rel=rel, abs=1e-7), k
+    else:
+        assert got == pytest.approx(want, rel=rel)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 12, 1000])
+def test_chunked_loss_matches_one_shot(chunk_rows):
+    """12 rows (3 blocks x 4 slots) in chunks of 1, 5 (not a divisor), 12 and more."""
+    logits, targets, p_ref = rand_case()
+    valid = torch.ones_like(targets, dtype=torch.bool)
+    valid[0, 2:], valid[2, 0] = False, False
+    targets[1, 1] = -1                                       # outside a draft vocabulary
+    runs = []
+    for fn, kw in ((dlite_loss, {"chunk_rows": chunk_rows}), (dlite_loss_unchunked, {})):
+        x = logits.detach().clone().requires_grad_()
+        loss, m = fn(x, targets, valid, p_ref, ce_valid=targets >= 0, **kw)
+        loss.backward()
+        runs.append((loss, m, x.grad))
+    for got, want in zip(runs[0], runs[1]):
+        assert_same(got, want)
+    with pytest.raises(RuntimeError, match="backward twice"):
+        x = logits.detach().clone().requires_grad_()
+        loss, _ = dlite_loss(x, targets, valid, p_ref, chunk_rows=chunk_rows)
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+
+@pytest.mark.parametrize("kind", ["hidden", "hidden_bf16", "topk"])
+def test_chunked_reference_rows_match_the_whole_reference(kind, monkeypatch):
+    """The reference built per chunk from compact rows (draft vocabulary: every 3rd id,
+    not renormalised) gives the one-shot loss on the whole p_ref; a bf16 lm_head is cast
+    in blocks (LM_HEAD_BLOCK, shrunk here so that 11 does not divide V = 50)."""
+    monkeypatch.setattr(losses, "LM_HEAD_BLOCK", 11)
+    gen = torch.Generator().manual_seed(0)
+    V, H, ids = 50, 6, torch.arange(0, 50, 3)
+    lm_head, hidden = torch.randn(V, H, generator=gen), torch.randn(5, 4, H, generator=gen)
+    if kind == "hidden_bf16":
+        lm_head, hidden = lm_head.bfloat16(), hidden.bfloat16()
+    ref = hidden_reference(hidden, lm_head, ids)
+    if kind == "topk":
+        top = torch.log_softmax(hidden @ lm_head.T, -1).topk(7, dim=-1)
+        ref = topk_reference(top.indices, top.values, V, ids)
+    else:
+        whole = torch.softmax(F.linear(hidden.float(), lm_head.float()), -1)[..., ids]
+        torch.testing.assert_close(ref.full(), whole)
+    logits = torch.randn(5, 4, len(ids), generator=gen, requires_grad=True)
+    targets, valid = torch.randint(-1, len(ids), (5, 4), generator=gen), torch.rand(5, 4, generator=gen) > 0.2
+    got = dlite_loss(logits, targets, valid, ref, ce_valid=targets >= 0, chunk_rows=3)
+    want = dlite_loss_unchunked(logits, targets, valid, ref.full(), ce_valid=targets >= 0)
+    assert_same(got[1], want[1])
+    assert_same(torch.autograd.grad(got[0], logits)[0], torch.autograd.grad(want[0], logits)[0])
+
+
+VT, HT, KT = 40, 24, 2
+DRAFT_IDS = torch.arange(1, VT, 2)
+TINY = DrafterConfig(gamma=4, target_layer_ids=[0, 1], hidden_size=32, num_layers=1, num_heads=4,
+                     num_kv_heads=2, head_dim=8, intermediate_size=64, head_hidden=32, markov_rank=8)
+
+
+def tiny_drafter(arch="dlite", ids=None, seed=0):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(123)
+    embed, lm_head = torch.randn(VT, HT, generator=g), torch.randn(VT, HT, generator=g)
+    cfg = dataclasses.replace(TINY, arch=arch, draft_vocab_size=None if ids is None else len(ids))
+    return build_drafter(cfg, embed, lm_head, LEARNED_MASK, ids).train()
+
+
+def tiny_batch(ref, B=2, L=24):
+    g = torch.Generator().manual_seed(1)
+    b = {"features": torch.randn(B, L, KT * HT, generator=g), "input_ids": torch.randint(0, VT, (B, L), generator=g),
+         "anchors": torch.tensor([[2, 9, 20]] * B), "loss_mask": torch.rand(B, L, generator=g) > 0.2}
+    hidden = torch.randn(B, L, HT, generator=g)
+    if ref == "hidden":
+        b["ref_hidden"] = hidden
+    else:
+        top = torch.log_softmax(hidden @ torch.randn(VT, HT, generator=g).T, -1).topk(5, dim=-1)
+        b["topk_ids"], b["topk_logprobs"] = top.indices, top.values
+    return b
+
+
+def one_shot_loss(model, b, teacher=None):
+    """compute_loss as it was before chunking: the whole p_ref, the one-shot loss."""
+    logits = model.forward_train(b)
+    targets, valid = block_targets(b["input_ids"], b["anchors"], model.gamma, b["loss_mask"])
+    p_ref = reference_probs(b, b["anchors"], model.gamma, model.vocab, teacher)
+    targets = model.vocab.to_draft(targets)
+    return dlite_loss_unchunked(logits, targets, valid, p_ref, ce_valid=targets >= 0)
+
+
+@pytest.mark.parametrize("ref", ["hidden", "topk", "teacher"])
+@pytest.mark.parametrize("ids", [None, DRAFT_IDS], ids=["full_vocab", "draft_vocab"])
+def test_compute_loss_chunked_matches_one_shot_with_parameter_gradients(ref, ids):
+    """24 slot rows in chunks of 5: loss, every metric and every parameter gradient."""
+    model, b = tiny_drafter(ids=ids), tiny_batch("topk" if ref == "topk" else "hidden")
+    teacher = tiny_drafter("teacher", ids, seed=3) if ref == "teacher" else None
+    runs = []
+    for fn in (lambda: compute_loss(model, b, teacher, chunk_rows=5), lambda: one_shot_loss(model, b, teacher)):
+        model.zero_grad()
+        loss, m = fn()
+        loss.backward()
+        runs.append((loss, m, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, m, grads), (loss0, m0, grads0) = runs
+    assert_same(loss, loss0)
+    assert_same({k: m[k] for k in m0}, m0)
+    assert grads.keys() == grads0.keys() and len(grads) > 5
+    for n in grads0:
+        assert_same(grads[n], grads0[n])
+
+
+def test_block_targets_slot_validity_rule():
+    """Pinned (see block_targets): a slot's validity is its own position's loss_mask, not
+    its earlier slots'; the sequence end and a seq_ids boundary cut every later slot."""
+    ids = torch.arange(12)[None] + 100
+    sup = torch.tensor([[1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 0, 1]], dtype=torch.bool)
+    anchors = torch.tensor([[1, 6, 9]])
+    _, valid = block_targets(ids, anchors, 4, loss_mask=sup)
+    assert valid[0, 0].tolist() == [True, False, True, True]     # unsupervised -> supervised
+    assert valid[0, 1].tolist() == [True, True, False, False]    # supervised -> unsupervised
+    assert valid[0, 2].tolist() == [False, True, False, False]   # after tool tokens; then the end
+    seq = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3])
+    _, valid = block_targets(ids, torch.tensor([[2, 6]]), 4, loss_mask=torch.ones(1, 12, dtype=torch.bool), seq_ids=seq)
+    assert valid[0, 0].tolist() == [True, True, False, False]    # packing boundary after position 4
+    assert valid[0, 1].tolist() == [True, True, False, False]    # 9 starts sequence 2
