@@ -122,6 +122,10 @@ class EvalConfig:
     # Learned drafters stop a block before the slot where their own probability that the
     # block so far is right falls below this (0: always gamma tokens); lossless either way.
     draft_stop_prob: float = 0.0
+    # Also replay the primary drafter over a per-request vocabulary: its static draft
+    # vocabulary | the prompt's distinct tokens (method `<primary>_ctxvocab`; needs a
+    # history-free drafter with drafter.draft_vocab_size set).
+    context_vocab: bool = False
     # Training-free methods replayed beside the drafters: "prompt_lookup", "suffix".
     baselines: List[str] = field(default_factory=list)
     # "hybrid_lookup" / "hybrid_suffix": the primary drafter, except in rounds where that

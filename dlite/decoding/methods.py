@@ -7,13 +7,23 @@ is >= `eval.hybrid_min_match` tokens, else the drafter's block).
 Each method is a builder: `build() -> drafter or factory prompt_ids -> drafter`. A
 builder is called once per replay, so SuffixDecoding's global tree of earlier outputs
 starts empty for every (method, temperature) replay and only ever holds outputs of
-turns replayed before the current one."""
+turns replayed before the current one.
+
+`eval.context_vocab`: also the primary drafter over a per-request vocabulary (its
+static draft vocabulary | the prompt's tokens, `dlite.decoding.context_vocab`), named
+`<primary>_ctxvocab` and listed right after the learned drafters."""
 
 import functools
 from typing import Callable, Dict
 
 from dlite.config_schema import HYBRIDS
+from dlite.decoding.context_vocab import ContextVocab
 from dlite.decoding.lookup import HybridDrafter, PromptLookupDrafter
+
+
+def context_vocab_name(primary: str) -> str:
+    """The per-request-vocabulary method's name (MLflow metric names allow no '+')."""
+    return f"{primary}_ctxvocab"
 
 
 def _lookup(ev, vocab_size: int, gamma: int):
@@ -43,9 +53,23 @@ def _hybrid(model, token_factory, min_match: int):
     return make
 
 
+def _context_vocab(learned: Dict[str, object]) -> Dict[str, Callable]:
+    """{<primary>_ctxvocab: builder of the per-request factory}; refused here, before
+    any replay, when the primary drafter cannot take a per-request vocabulary."""
+    if not learned:
+        raise ValueError("eval.context_vocab: needs a learned drafter whose vocabulary to extend")
+    name, primary = next(iter(learned.items()))
+    try:
+        factory = ContextVocab(primary)
+    except ValueError as e:
+        raise ValueError(f"eval.context_vocab: primary drafter {name!r}: {e}") from e
+    return {context_vocab_name(name): lambda: factory}
+
+
 def method_builders(ev, learned: Dict[str, object], vocab_size: int) -> Dict[str, Callable]:
-    """{name: builder} for the learned drafters (given, already loaded), then the
-    baselines, then the hybrids (each over the primary -- first -- learned drafter).
+    """{name: builder} for the learned drafters (given, already loaded), then
+    `<primary>_ctxvocab` when eval.context_vocab, then the baselines, then the hybrids
+    (each over the primary -- first -- learned drafter).
     Training-free drafters propose up to `eval.lookup_gamma` tokens (default: the
     primary drafter's gamma). The learned drafters get the evaluation's inference
     setting `eval.draft_stop_prob` here, the one place that turns `eval` into methods."""
@@ -54,6 +78,8 @@ def method_builders(ev, learned: Dict[str, object], vocab_size: int) -> Dict[str
     primary = next(iter(learned.values()), None)
     gamma = ev.lookup_gamma or (primary.gamma if primary is not None else 7)
     out = {name: (lambda d=d: d) for name, d in learned.items()}
+    if ev.context_vocab:
+        out.update(_context_vocab(learned))
     for name in ev.baselines:
         out[name] = functools.partial(_TOKEN_DRAFTERS[name], ev, vocab_size, gamma)
     for name in ev.hybrids:

@@ -71,6 +71,12 @@ def time_split(rounds: List[dict]) -> dict:
     return out
 
 
+def weighted_mean(pairs: List[tuple]) -> Optional[float]:
+    """sum(value * weight) / sum(weight) over (value, weight) pairs; None without weight."""
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total > 0 else None
+
+
 def tokens_per_s(n_tokens: int, ms: float) -> Optional[float]:
     return n_tokens / (ms / 1e3) if ms > 0 else None
 

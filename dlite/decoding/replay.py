@@ -18,7 +18,11 @@ the decode speedup on long histories; both are reported.
 Greedy output is compared token for token: `lossless` is strict (identical outputs).
 A low-precision target can part the two at a tie of its own logits (`dlite.decoding.ties`),
 so each mismatching task also records its first `divergence`, classified tie or not,
-and `lossless_up_to_ties` says whether every mismatch was a tie."""
+and `lossless_up_to_ties` says whether every mismatch was a tie.
+
+`draft_vocab_coverage` (greedy): the share of the target's plain output tokens inside
+the vocabulary the drafter drafts over (a learned drafter's static draft vocabulary, or
+a per-request one, `dlite.decoding.context_vocab`), token-weighted over tasks."""
 
 import dataclasses
 import time
@@ -109,14 +113,24 @@ def _drafter_for(drafter, prompt_ids):
     return drafter if hasattr(drafter, "draft") else drafter(prompt_ids)
 
 
+def vocab_coverage(drafter, tokens) -> Optional[float]:
+    """Share of `tokens` inside the vocabulary `drafter` drafts over: its own answer
+    (`vocab_coverage`: a per-request vocabulary) or a learned drafter's static draft
+    vocabulary; None for the rest (every token reachable, or tokens read from context)."""
+    if hasattr(drafter, "vocab_coverage"):
+        return drafter.vocab_coverage(tokens)
+    vocab = getattr(drafter, "vocab", None)
+    return vocab.coverage(tokens) if hasattr(vocab, "coverage") else None
+
+
 def _run_task(target, drafter, task: dict, a: EvalArgs, eos, spec_first: bool, seed: int) -> dict:
     """Both loops on one prompt, in the given order, with per-loop seeded generators."""
     dev = next(target.parameters()).device
     kw = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, eos_ids=eos)
     res = {"id": task["id"], "turn": task["turn"], "context_len": len(task["prompt_ids"])}
+    d = _drafter_for(drafter, task["prompt_ids"])  # untimed, as a per-request factory call
 
     def spec():
-        d = _drafter_for(drafter, task["prompt_ids"])
         t0 = time.perf_counter()
         ids, rounds = speculative_generate(target, d, task["prompt_ids"], a.max_new_tokens,
                                            generator=torch.Generator(dev).manual_seed(seed), **kw)
@@ -135,6 +149,7 @@ def _run_task(target, drafter, task: dict, a: EvalArgs, eos, spec_first: bool, s
         run()
     if a.temperature <= 0:  # after the timed loops: an extra forward only where they part
         res["divergence"] = ties.divergence(target, task["prompt_ids"], res["spec_ids"], res["plain_ids"])
+        res["vocab_coverage"] = vocab_coverage(d, res["plain_ids"])  # of the target's own greedy tokens
     return res
 
 
@@ -160,7 +175,8 @@ def _speed(results: List[dict], e2e: bool = False) -> dict:
 def _task_summary(res: dict) -> dict:
     keep = ("id", "turn", "context_len", "spec_ms", "plain_ms")
     return {**{k: res[k] for k in keep}, "tau": metrics.tau(res["rounds"]),
-            "n_tokens": len(res["spec_ids"]), "divergence": res.get("divergence")}
+            "n_tokens": len(res["spec_ids"]), "divergence": res.get("divergence"),
+            "vocab_coverage": res.get("vocab_coverage")}
 
 
 def aggregate(results: List[dict], skipped: int, a: EvalArgs) -> dict:
@@ -176,6 +192,8 @@ def aggregate(results: List[dict], skipped: int, a: EvalArgs) -> dict:
     for res in results:
         by_ctx.setdefault(metrics.bucket_of(res["context_len"], a.buckets), []).append(res)
     order = metrics.bucket_labels(a.buckets)
+    coverage = [(r["vocab_coverage"], len(r["plain_ids"])) for r in results
+                if r.get("vocab_coverage") is not None]
     return {
         **metrics.summarize_rounds(rounds, gamma, a.buckets),
         "speedup_vs_ar": metrics.speedup_vs_ar(tps["spec"], tps["plain"]),
@@ -191,6 +209,9 @@ def aggregate(results: List[dict], skipped: int, a: EvalArgs) -> dict:
         # Only each task's first mismatch is classified: after a tie the outputs differ.
         "lossless_up_to_ties": (n_ties == len(mismatches)) if greedy else None,
         "n_tie_divergences": n_ties,
+        # Greedy only: share of the target's plain output tokens the drafter could have
+        # proposed (its draft vocabulary, static or per-request), token-weighted.
+        "draft_vocab_coverage": metrics.weighted_mean(coverage) if greedy else None,
         "gamma": gamma, "n_tasks": len(results), "skipped_turns": skipped,
         "n_tokens": {"spec": sum(len(r["spec_ids"]) for r in results),
                      "plain": sum(len(r["plain_ids"]) for r in results)},

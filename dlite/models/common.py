@@ -1,6 +1,7 @@
 """What every drafter architecture shares: the `Drafter` protocol, the frozen target
-vocabulary, the block helpers (embedding the block, its inputs), the teacher-forced
-block layout for training and the sequential sampling loop."""
+vocabulary (and views of it with other draft ids), the block helpers (embedding the
+block, its inputs), the teacher-forced block layout for training and the sequential
+sampling loop."""
 
 from typing import List, Optional, Protocol, Tuple
 
@@ -70,12 +71,10 @@ class FrozenVocab(nn.Module):
             init = embed_weight.detach().mean(0, dtype=torch.float32).to(embed_weight.dtype)
             self.mask_embed = nn.Parameter(init)
         ids = None if draft_vocab is None else _check_draft_ids(draft_vocab, V, embed_weight.device)
+        rows, index = (None, None) if ids is None else _id_maps(lm_head_weight.detach(), ids)
         self.register_buffer("draft_ids", ids)  # persistent: the artifact's id map
-        self.register_buffer("draft_lm_head", None if ids is None else
-                             lm_head_weight.detach().index_select(0, ids), persistent=False)
-        self.register_buffer("draft_index", None if ids is None else torch.full(
-            (V,), -1, dtype=torch.long, device=ids.device).index_copy_(
-                0, ids, torch.arange(len(ids), device=ids.device)), persistent=False)
+        self.register_buffer("draft_lm_head", rows, persistent=False)
+        self.register_buffer("draft_index", index, persistent=False)
 
     @property
     def size(self) -> int:
@@ -109,6 +108,51 @@ class FrozenVocab(nn.Module):
             return probs
         out = probs.new_zeros(*probs.shape[:-1], self.embed_weight.shape[0])
         return out.index_copy_(-1, self.draft_ids, probs)
+
+    def coverage(self, tokens) -> Optional[float]:
+        """Share of the target ids `tokens` inside the draft vocabulary; None without
+        one (nothing is outside) or without tokens."""
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        if self.draft_ids is None or ids.numel() == 0:
+            return None
+        return float((self.to_draft(ids.to(self.draft_index.device)) >= 0).float().mean())
+
+    def with_draft_ids(self, draft_ids) -> "DraftVocabView":
+        """The same vocabulary with other draft ids (sorted, distinct): a light view for
+        one request that shares this one's embedding, lm_head and MASK embedding."""
+        return DraftVocabView(self, draft_ids)
+
+
+class DraftVocabView:
+    """`FrozenVocab.with_draft_ids`: the frozen vocabulary of a drafter with another set
+    of draft ids (e.g. a per-request one, `dlite.decoding.context_vocab`). Only the
+    lm_head rows at those ids and the id map are its own; embedding, lm_head and MASK
+    embedding are the drafter's tensors, not copies. Not a module: nothing to train
+    or save. The id-space methods are FrozenVocab's, which read only these attributes."""
+
+    def __init__(self, base: FrozenVocab, draft_ids):
+        self.embed_weight, self.lm_head_weight = base.embed_weight, base.lm_head_weight
+        self.mask_token_id = base.mask_token_id
+        if base.mask_token_id == LEARNED_MASK:
+            self.mask_embed = base.mask_embed
+        self.draft_ids = _check_draft_ids(draft_ids, self.embed_weight.shape[0], self.embed_weight.device)
+        self.draft_lm_head, self.draft_index = _id_maps(self.lm_head_weight, self.draft_ids)
+
+    size, out_weight = FrozenVocab.size, FrozenVocab.out_weight
+    embed, to_target, to_draft = FrozenVocab.embed, FrozenVocab.to_target, FrozenVocab.to_draft
+    to_full, coverage = FrozenVocab.to_full, FrozenVocab.coverage
+
+    def nbytes(self) -> int:
+        """What the view holds of its own (its lm_head rows and id maps)."""
+        own = (self.draft_ids, self.draft_lm_head, self.draft_index)
+        return sum(t.numel() * t.element_size() for t in own)
+
+
+def _id_maps(lm_head_weight: torch.Tensor, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the lm_head rows at `ids` [N, H], target id -> draft index [V], -1 outside)."""
+    index = torch.full((lm_head_weight.shape[0],), -1, dtype=torch.long, device=ids.device)
+    index.index_copy_(0, ids, torch.arange(len(ids), device=ids.device))
+    return lm_head_weight.index_select(0, ids), index
 
 
 def _check_draft_ids(draft_vocab, V: int, device) -> torch.Tensor:

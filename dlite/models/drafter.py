@@ -49,13 +49,14 @@ class DLiteDrafter(nn.Module):
 
     @torch.no_grad()
     def draft(self, state, new_features: torch.Tensor, anchor_id: int, anchor_pos: int,
-              temperature: float, generator: Optional[torch.Generator] = None):
-        """Uses only the last feature row (position anchor_pos-1); keeps nothing."""
+              temperature: float, generator: Optional[torch.Generator] = None, vocab=None):
+        """Uses only the last feature row (position anchor_pos-1); keeps nothing. `vocab`:
+        draft over another set of ids than `self.vocab`'s (`FrozenVocab.with_draft_ids`)."""
         feat = new_features.reshape(-1, self.feature_dim)[-1:]
         x, pos = block_inputs(self, anchor_id, anchor_pos, feat.device)
         x, mem = self._context(context_states(self, feat), pos[:, :1] - 1, x)
         h = self.backbone(x, pos, mem)
-        tokens, probs = draft_tokens(self, h, anchor_id, temperature, generator)
+        tokens, probs = draft_tokens(self, h, anchor_id, temperature, generator, vocab)
         return tokens, probs, None
 
     def cache_bytes(self, state) -> int:

@@ -110,10 +110,14 @@ def head_logits(model, h, prev_ids):
     return model.backbone.logits(model.head(h, embed_in(model, prev_ids)), model.vocab.out_weight)
 
 
-def draft_tokens(model, h, anchor_id: int, temperature: float, generator=None):
-    """Run the sequential head over the block's h [1, g, hid], choosing as it goes."""
+def draft_tokens(model, h, anchor_id: int, temperature: float, generator=None, vocab=None):
+    """Run the sequential head over the block's h [1, g, hid], choosing as it goes, over
+    `vocab` (default `model.vocab`; e.g. a per-request `FrozenVocab.with_draft_ids` view:
+    the head works in hidden space, so only the output rows and id map change)."""
+    vocab = model.vocab if vocab is None else vocab
+
     def step(k, prev, state):
         hk, state = model.head.step(h[:, k], embed_in(model, prev), state)
-        return model.backbone.logits(hk, model.vocab.out_weight)[0], state
-    return sample_block(step, model.gamma, anchor_id, temperature, h.device, model.vocab, generator,
+        return model.backbone.logits(hk, vocab.out_weight)[0], state
+    return sample_block(step, model.gamma, anchor_id, temperature, h.device, vocab, generator,
                         model.draft_stop_prob)

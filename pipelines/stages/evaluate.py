@@ -1,6 +1,7 @@
-"""The evaluation stage on Ray: every drafter a run produced, and the training-free
-methods and hybrids `eval.baselines` / `eval.hybrids` name, against the real target, on
-the same held-out prompts.
+"""The evaluation stage on Ray: every drafter a run produced, the primary one over a
+per-request vocabulary (`eval.context_vocab`), and the training-free methods and hybrids
+`eval.baselines` / `eval.hybrids` name, against the real target, on the same held-out
+prompts.
 
   acceptance  the held-out trajectories are split over `eval.num_workers` Ray tasks;
               each loads the target once and replays its records with every drafter
@@ -112,11 +113,12 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     from dlite.envinfo import env_info
     if not drafters:
         raise ValueError("evaluate: no drafters to evaluate")
-    clash = set(drafters) & {*cfg.eval.baselines, *cfg.eval.hybrids}
-    if clash:
-        raise ValueError(f"evaluate: drafter name(s) {sorted(clash)} are eval.baselines / eval.hybrids "
-                         f"methods too: name the drafter otherwise (NAME=DIR)")
     drafters = {n: str(Path(d).resolve()) for n, d in sorted(drafters.items(), key=lambda kv: _rank(kv[0]))}
+    ctx = _context_vocab_methods(cfg, drafters)
+    clash = set(drafters) & {*ctx, *cfg.eval.baselines, *cfg.eval.hybrids}
+    if clash:
+        raise ValueError(f"evaluate: drafter name(s) {sorted(clash)} are eval.context_vocab / "
+                         f"eval.baselines / eval.hybrids methods too: name the drafter otherwise (NAME=DIR)")
     _check_dtype(cfg, drafters)
     records, temps = heldout_records(cfg), sorted({float(t) for t in cfg.eval.temperatures})
     n = min(cfg.eval.num_workers or cfg.cluster.num_workers, len(records))
@@ -124,12 +126,12 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     conf = OmegaConf.to_container(cfg, resolve=True)
     gpus = cfg.cluster.gpus_per_worker if cfg.cluster.use_gpu else 0
     task = ray.remote(num_cpus=1, num_gpus=gpus)(_replay_all)
-    extra = [*cfg.eval.baselines, *cfg.eval.hybrids]
+    extra = [*ctx, *cfg.eval.baselines, *cfg.eval.hybrids]
     print(f"[evaluate] {len(drafters)} drafters{' + ' + ', '.join(extra) if extra else ''} x "
           f"{len(records)} trajectories x T={temps} on {n} workers, then speed on 1 worker", flush=True)
     parts = ray.get([task.remote(conf, drafters, records[i::n], temps) for i in range(n)])
     speed = ray.get(task.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps, cfg.eval.threads))
-    names = [*drafters, *cfg.eval.baselines, *cfg.eval.hybrids]  # as `method_builders` orders them
+    names = [*drafters, *ctx, *cfg.eval.baselines, *cfg.eval.hybrids]  # as `method_builders` orders them
     methods = {name: {**_method_report(cfg, name, parts, speed, temps), "drafter": drafters.get(name)}
                for name in names}
     primary = next(iter(methods))
@@ -143,6 +145,23 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
             "plain": {"tokens_per_s": methods[primary]["tokens_per_s"]["plain"]},
             "n_trajectories": len(records), "target_fingerprint": tgt.fingerprint(cfg.target),
             "config": conf, "env": env_info()}
+
+
+def _context_vocab_methods(cfg, drafters: Dict[str, str]) -> list:
+    """[`<primary>_ctxvocab`] when eval.context_vocab, else []. Checked here, before any
+    Ray work, from the primary artifact's config.json: the per-request vocabulary
+    extends a static draft vocabulary of a history-free (DLite) drafter."""
+    if not cfg.eval.context_vocab:
+        return []
+    from dlite.decoding.methods import context_vocab_name
+    name, path = next(iter(drafters.items()))
+    conf = json.loads((Path(path) / "config.json").read_text())
+    arch = conf.get("architecture", conf.get("arch", "dlite"))  # as `method_name` reads it
+    if conf.get("draft_vocab_size") is None or arch != "dlite":
+        raise ValueError(f"eval.context_vocab: the primary drafter {name} ({path}) must be a DLite drafter "
+                         f"with a draft vocabulary (architecture {arch!r}, "
+                         f"draft_vocab_size {conf.get('draft_vocab_size')})")
+    return [context_vocab_name(name)]
 
 
 def _check_dtype(cfg, drafters: Dict[str, str]) -> None:
@@ -166,7 +185,7 @@ def metric_items(report: dict) -> dict:
     for name, m in report["methods"].items():
         for t, r in m["by_temperature"].items():
             pre = f"{name}.{'greedy' if float(t) == 0 else 't' + format(float(t), 'g')}"
-            for k in ("tau", "speedup_vs_ar", "speedup_vs_ar_e2e"):
+            for k in ("tau", "speedup_vs_ar", "speedup_vs_ar_e2e", "draft_vocab_coverage"):
                 if r.get(k) is not None:
                     out[f"{pre}.{k}"] = r[k]
             out.update({f"{pre}.accept_at_k.{i + 1}": v for i, v in enumerate(r["accept_at_k"]) if v is not None})
