@@ -74,10 +74,10 @@ class ContextVocabDrafter:
         return self.model.cache_bytes(state) + own
 
     def vocab_coverage(self, tokens) -> Optional[float]:
-        """Share of the target ids `tokens` inside the per-request vocabulary."""
-        ids = self.vocab.draft_ids if self.vocab is not None else self.request_ids()
-        t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).to(ids.device)
-        return float(torch.isin(t, ids).float().mean()) if t.numel() else None
+        """Share of the target ids `tokens` inside the per-request vocabulary (the view's
+        own `coverage`; built here if no draft was made)."""
+        vocab = self.vocab if self.vocab is not None else self.model.vocab.with_draft_ids(self.request_ids())
+        return vocab.coverage(tokens)
 
     def static_coverage(self, tokens) -> Optional[float]:
         """The static draft vocabulary's share of `tokens`, for comparison."""
