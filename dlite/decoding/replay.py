@@ -26,13 +26,13 @@ a per-request one, `dlite.decoding.context_vocab`), token-weighted over tasks.""
 
 import dataclasses
 import time
-from typing import Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
 from dlite.data import chat
 from dlite.decoding import metrics, ties
-from dlite.decoding.decode import plain_generate, speculative_generate
+from dlite.decoding.decode import Prefill, plain_generate, prefill, speculative_generate
 from dlite.target import eos_ids
 
 
@@ -123,43 +123,57 @@ def vocab_coverage(drafter, tokens) -> Optional[float]:
     return vocab.coverage(tokens) if hasattr(vocab, "coverage") else None
 
 
-def _run_task(target, drafter, task: dict, a: EvalArgs, eos, spec_first: bool, seed: int) -> dict:
-    """Both loops on one prompt, in the given order, with per-loop seeded generators."""
+def _spec(target, d, task: dict, a: EvalArgs, eos, seed: int, pre: Prefill) -> dict:
+    """The speculative loop from the shared prefill; e2e adds the prefill's time."""
     dev = next(target.parameters()).device
-    kw = dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, eos_ids=eos)
-    res = {"id": task["id"], "turn": task["turn"], "context_len": len(task["prompt_ids"])}
-    d = _drafter_for(drafter, task["prompt_ids"])  # untimed, as a per-request factory call
+    t0 = time.perf_counter()
+    ids, rounds = speculative_generate(target, d, task["prompt_ids"], a.max_new_tokens, a.temperature,
+                                       a.top_p, a.top_k, eos, torch.Generator(dev).manual_seed(seed), pre)
+    return dict(spec_ids=ids, rounds=rounds, gamma=d.gamma,
+                spec_e2e_ms=pre.ms + (time.perf_counter() - t0) * 1e3,
+                spec_ms=sum(r["draft_ms"] + r["verify_ms"] + r["other_ms"] for r in rounds))
 
-    def spec():
-        t0 = time.perf_counter()
-        ids, rounds = speculative_generate(target, d, task["prompt_ids"], a.max_new_tokens,
-                                           generator=torch.Generator(dev).manual_seed(seed), **kw)
-        res.update(spec_ids=ids, rounds=rounds, gamma=d.gamma,
-                   spec_e2e_ms=(time.perf_counter() - t0) * 1e3,
-                   spec_ms=sum(r["draft_ms"] + r["verify_ms"] + r["other_ms"] for r in rounds))
 
-    def plain():
-        t0 = time.perf_counter()
-        ids, timing = plain_generate(target, task["prompt_ids"], a.max_new_tokens,
-                                     generator=torch.Generator(dev).manual_seed(seed), **kw)
-        res.update(plain_ids=ids, plain_ms=timing["decode_ms"],
-                   plain_e2e_ms=(time.perf_counter() - t0) * 1e3)
+def _plain(target, task: dict, a: EvalArgs, eos, seed: int, pre: Prefill) -> dict:
+    """The plain loop from the shared prefill; e2e adds the prefill's time."""
+    dev = next(target.parameters()).device
+    t0 = time.perf_counter()
+    ids, timing = plain_generate(target, task["prompt_ids"], a.max_new_tokens, a.temperature,
+                                 a.top_p, a.top_k, eos, torch.Generator(dev).manual_seed(seed), pre)
+    return dict(plain_ids=ids, plain_ms=timing["decode_ms"],
+                plain_e2e_ms=pre.ms + (time.perf_counter() - t0) * 1e3)
 
-    for run in ((spec, plain) if spec_first else (plain, spec)):
-        run()
-    if a.temperature <= 0:  # after the timed loops: an extra forward only where they part
+
+def _checked(target, d, task: dict, a: EvalArgs, res: dict) -> dict:
+    """Greedy: the first divergence (an extra forward only where the loops part) and the
+    drafter's vocabulary coverage of the target's own greedy tokens."""
+    if a.temperature <= 0:
         res["divergence"] = ties.divergence(target, task["prompt_ids"], res["spec_ids"], res["plain_ids"])
-        res["vocab_coverage"] = vocab_coverage(d, res["plain_ids"])  # of the target's own greedy tokens
+        res["vocab_coverage"] = vocab_coverage(d, res["plain_ids"])
     return res
 
 
+def _base(task: dict, pre: Prefill) -> dict:
+    return {"id": task["id"], "turn": task["turn"], "context_len": len(task["prompt_ids"]),
+            "prefill_ms": pre.ms}
+
+
+def _run_task(target, drafter, task: dict, a: EvalArgs, eos, spec_first: bool, seed: int,
+              pre: Optional[Prefill] = None) -> dict:
+    """Both loops on one prompt, in the given order, with per-loop seeded generators,
+    from `pre` (this prompt's prefill) or a prefill of their own."""
+    d = _drafter_for(drafter, task["prompt_ids"])  # untimed, as a per-request factory call
+    pre = pre or prefill(target, task["prompt_ids"], d.target_layer_ids, d.needs_history)
+    runs = [lambda: _spec(target, d, task, a, eos, seed, pre), lambda: _plain(target, task, a, eos, seed, pre)]
+    res = _base(task, pre)
+    for run in (runs if spec_first else runs[::-1]):
+        res.update(run())
+    return _checked(target, d, task, a, res)
+
+
 def _first_mismatch(res: dict) -> Optional[dict]:
-    s, p = res["spec_ids"], res["plain_ids"]
-    k = ties.first_mismatch(s, p)
-    if k is None:
-        return None
-    return {"id": res["id"], "turn": res["turn"], "index": k,
-            "spec": s[k] if k < len(s) else None, "plain": p[k] if k < len(p) else None}
+    at = ties.mismatch_at(res["spec_ids"], res["plain_ids"])
+    return None if at is None else {"id": res["id"], "turn": res["turn"], **at}
 
 
 def _speed(results: List[dict], e2e: bool = False) -> dict:
@@ -220,28 +234,90 @@ def aggregate(results: List[dict], skipped: int, a: EvalArgs) -> dict:
     }
 
 
-def replay(target, tokenizer, drafter, records: Iterable[dict], args=None, **overrides) -> tuple:
-    """Replay every record (trajectory or `turns` prompt) with both loops, interleaved
-    (alternating which goes first); returns (raw per-task results, skipped turns, args).
-    Raw results of several calls (e.g. parallel workers) concatenate before `aggregate`.
-    `drafter` is a drafter or a factory prompt_ids -> drafter."""
+def _shared_prefills(target, live: Dict[float, dict], made: Dict[tuple, object]) -> Dict[float, Prefill]:
+    """One prefill per distinct prompt among this step's tasks (one per temperature; the
+    same prompt unless a `turns` record's sampled replies parted them), capturing every
+    layer its drafters read, at every position if one of them keeps a history."""
+    groups: Dict[tuple, list] = {}
+    for t, task in live.items():
+        groups.setdefault(tuple(task["prompt_ids"]), []).append(t)
+    out = {}
+    for temps in groups.values():
+        ds = [d for (_, t), d in made.items() if t in temps]
+        pre = prefill(target, live[temps[0]]["prompt_ids"], [i for d in ds for i in d.target_layer_ids],
+                      any(d.needs_history for d in ds))
+        out.update({t: pre for t in temps})
+    return out
+
+
+def replay_methods(target, tokenizer, builders: Dict[str, Callable], records: Iterable[dict], args=None,
+                   temperatures: Optional[Sequence[float]] = None, timed: bool = True, **overrides) -> tuple:
+    """Replay every record (trajectory or `turns` prompt) with every method
+    (`builders`: {name: build() -> drafter or factory prompt_ids -> drafter}, each built
+    once per temperature) at every temperature; returns
+    ({name: {str(temperature): (raw per-task results, skipped turns)}}, args).
+
+    Each history is prefilled ONCE for all methods and temperatures (`dlite.decoding.
+    decode.prefill`; every loop starts from a copy of its cache), so `*_e2e_ms` add that
+    one measured prefill to each loop's decode. `timed`: per method, plain and
+    speculative decoding interleaved per prompt (alternating which goes first) after one
+    untimed warm-up, the figures to time. Untimed (acceptance): plain decoding runs once
+    per prompt and temperature and is shared by every method -- the same tokens a rerun
+    would give (same prompt, seed and rule) -- its timing is not for speedups.
+    Raw results of several calls (e.g. parallel workers) concatenate before `aggregate`."""
     a = resolve_args(args, **overrides)
     a.buckets = tuple(a.buckets)
+    temps = [float(t) for t in (temperatures if temperatures is not None else [a.temperature])]
     eos = eos_ids(target, tokenizer)  # every id the target's generation config stops on
-    results, skipped = [], 0
+    made = {(n, t): build() for n, build in builders.items() for t in temps}
+    results = {key: [] for key in made}
+    skipped = {t: 0 for t in temps}
     for rec in records:
-        for task in iter_tasks(tokenizer, rec, a.max_turns, a.turn_pick, (a.min_context, a.max_context)):
-            if a.max_context and len(task["prompt_ids"]) > a.max_context:
-                skipped += 1  # counted, never silently dropped
-                continue
-            if a.warmup and not results:
-                # A factory with memory across prompts (SuffixDecoding's tree of earlier
-                # outputs) warms up on a fork, so the warm-up's output cannot leak.
-                warm = drafter.fork() if hasattr(drafter, "fork") else drafter
-                _run_task(target, warm, task, dataclasses.replace(a, max_new_tokens=4), eos, True, a.seed)
-            res = _run_task(target, drafter, task, a, eos, len(results) % 2 == 0, a.seed + len(results))
-            task["reply_ids"] = res["plain_ids"]
-            results.append(res)
+        gens = [iter_tasks(tokenizer, rec, a.max_turns, a.turn_pick, (a.min_context, a.max_context))
+                for _ in temps]
+        for step in zip(*gens):  # lockstep: a `turns` record's reply_ids is set before next()
+            live = {}
+            for t, task in zip(temps, step):
+                if a.max_context and len(task["prompt_ids"]) > a.max_context:
+                    skipped[t] += 1  # counted, never silently dropped
+                else:
+                    live[t] = task
+            ds = {(n, t): _drafter_for(f, live[t]["prompt_ids"]) for (n, t), f in made.items() if t in live}
+            pres = _shared_prefills(target, live, ds)
+            for t, task in live.items():
+                at = dataclasses.replace(a, temperature=t)
+                names = [n for n, tt in made if tt == t]
+                k = len(results[(names[0], t)])
+                if timed:
+                    for n in names:
+                        if at.warmup and not results[(n, t)]:
+                            _warm_up(target, made[(n, t)], task, at, eos, pres[t])
+                        results[(n, t)].append(_run_task(target, ds[(n, t)], task, at, eos, k % 2 == 0,
+                                                         at.seed + k, pres[t]))
+                else:
+                    plain = _plain(target, task, at, eos, at.seed + k, pres[t])  # one for all methods
+                    for n in names:
+                        res = {**_base(task, pres[t]), **_spec(target, ds[(n, t)], task, at, eos, at.seed + k, pres[t]),
+                               **plain}
+                        results[(n, t)].append(_checked(target, ds[(n, t)], task, at, res))
+                task["reply_ids"] = results[(names[0], t)][-1]["plain_ids"]
+    out = {n: {str(t): (results[(n, t)], skipped[t]) for t in temps} for n in builders}
+    return out, a
+
+
+def _warm_up(target, drafter, task: dict, a: EvalArgs, eos, pre: Prefill) -> None:
+    """One untimed short run of both loops. A factory with memory across prompts
+    (SuffixDecoding's tree of earlier outputs) warms up on a fork, so the warm-up's
+    output cannot leak."""
+    warm = drafter.fork() if hasattr(drafter, "fork") else drafter
+    _run_task(target, warm, task, dataclasses.replace(a, max_new_tokens=4), eos, True, a.seed, pre)
+
+
+def replay(target, tokenizer, drafter, records: Iterable[dict], args=None, **overrides) -> tuple:
+    """One drafter (or factory prompt_ids -> drafter) over every record, timed
+    (`replay_methods`); returns (raw per-task results, skipped turns, args)."""
+    out, a = replay_methods(target, tokenizer, {"method": lambda: drafter}, records, args, **overrides)
+    results, skipped = out["method"][str(float(a.temperature))]
     return results, skipped, a
 
 

@@ -47,21 +47,29 @@ def first_mismatch(spec: Sequence[int], plain: Sequence[int]) -> Optional[int]:
     return None
 
 
+def mismatch_at(spec: Sequence[int], plain: Sequence[int]) -> Optional[dict]:
+    """{index, spec, plain} at the first mismatch (a token past an output's end is None),
+    None when the outputs are identical."""
+    k = first_mismatch(spec, plain)
+    if k is None:
+        return None
+    return {"index": k, "spec": spec[k] if k < len(spec) else None,
+            "plain": plain[k] if k < len(plain) else None}
+
+
 def divergence(target, prompt_ids: Sequence[int], spec: Sequence[int], plain: Sequence[int],
                ulps: int = TIE_ULPS) -> Optional[dict]:
     """None when spec == plain, else {index, spec, plain, logit_gap, tol, tie} at the
     first mismatch (one fresh prefill of prompt + plain[:index], the plain path's call)."""
-    k = first_mismatch(spec, plain)
-    if k is None:
+    out = mismatch_at(spec, plain)
+    if out is None:
         return None
-    out = {"index": k, "spec": spec[k] if k < len(spec) else None,
-           "plain": plain[k] if k < len(plain) else None}
     if out["spec"] is None or out["plain"] is None:
         # One output stopped where the other went on (same budget, same EOS): no pair of
         # tokens a tie could explain.
         return {**out, "logit_gap": None, "tol": None, "tie": False}
     param = next(target.parameters())
-    ids = torch.as_tensor(list(prompt_ids) + list(plain[:k]), dtype=torch.long, device=param.device)
+    ids = torch.as_tensor(list(prompt_ids) + list(plain[:out["index"]]), dtype=torch.long, device=param.device)
     with torch.inference_mode():
         logits = target_forward(target, ids, 0, new_cache(target), logits_to_keep=1)[-1]
     return {**out, **classify(logits, out["spec"], out["plain"], param.dtype, ulps)}

@@ -5,8 +5,9 @@ prompts.
 
   acceptance  the held-out trajectories are split over `eval.num_workers` Ray tasks;
               each loads the target once and replays its records with every drafter
-              at every temperature (speculative and plain, so greedy output is checked
-              token for token); raw rounds come back and the driver aggregates them
+              at every temperature from one prefill per history (speculative per
+              method, plain once per prompt and temperature, so greedy output is
+              checked token for token); raw rounds come back and the driver aggregates them
               -> tau, accept_at_k, per-bucket figures, lossless
                  (strict, and up to the target's ties: `dlite.decoding.ties`)
   speed       afterwards, alone on the machine, ONE task replays the first
@@ -57,14 +58,16 @@ def method_name(drafter_dir) -> str:
 
 
 def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, temperatures: list,
-                threads: int = 1) -> dict:
+                threads: int = 1, timed: bool = False) -> dict:
     """One worker: load the target once, replay `records` with every method (the learned
-    drafters, then eval.baselines and eval.hybrids) at every temperature;
+    drafters, then eval.baselines and eval.hybrids) at every temperature, one prefill per
+    history for all of them; `timed`: plain decoding interleaved with each method (the
+    speed worker), else run once per prompt and shared (acceptance workers);
     {method: {temperature: (raw results, skipped turns)}}."""
     import torch
     from dlite import target as tgt
     from dlite.decoding.methods import method_builders
-    from dlite.decoding.replay import replay
+    from dlite.decoding.replay import replay_methods
     from dlite.export import load_drafter
     cfg = OmegaConf.create(cfg_dict)
     # Acceptance workers share the cores, one thread each; the timed worker runs alone
@@ -77,12 +80,8 @@ def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, tempera
     learned = {}
     for name, path in drafters.items():
         learned[name] = load_drafter(path, embed, lm_head).to(model.dtype)  # the target's dtype
-    out = {}
-    for name, build in method_builders(cfg.eval, learned, lm_head.shape[0]).items():
-        for t in temperatures:
-            results, skipped, _ = replay(model, tok, build(), records, cfg.eval, temperature=t)
-            out.setdefault(name, {})[str(t)] = (results, skipped)
-    return out
+    builders = method_builders(cfg.eval, learned, lm_head.shape[0])
+    return replay_methods(model, tok, builders, records, cfg.eval, temperatures, timed)[0]
 
 
 def _method_report(cfg, name: str, parts: list, speed: dict, temperatures: list) -> dict:
@@ -130,7 +129,8 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     print(f"[evaluate] {len(drafters)} drafters{' + ' + ', '.join(extra) if extra else ''} x "
           f"{len(records)} trajectories x T={temps} on {n} workers, then speed on 1 worker", flush=True)
     parts = ray.get([task.remote(conf, drafters, records[i::n], temps) for i in range(n)])
-    speed = ray.get(task.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps, cfg.eval.threads))
+    speed = ray.get(task.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps, cfg.eval.threads,
+                                timed=True))
     names = [*drafters, *ctx, *cfg.eval.baselines, *cfg.eval.hybrids]  # as `method_builders` orders them
     methods = {name: {**_method_report(cfg, name, parts, speed, temps), "drafter": drafters.get(name)}
                for name in names}

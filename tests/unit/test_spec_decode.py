@@ -307,3 +307,54 @@ def test_replay_grows_histories_and_reports(tokenizer):
     assert turns[0]["context_len"] < turns[1]["context_len"]  # 2nd turn holds the 1st reply
     assert set(report["tau_by_bucket"]) <= {"<16", "16-64", ">64"}
     json.dumps(report)  # the report is written as JSON as is
+
+
+def test_prefill_features_slice_like_a_capture_of_their_own():
+    model = tiny_target(layers=3)
+    ids = [4, 8, 15, 16, 23, 42]
+    pre = decode.prefill(model, ids, [2, 0], all_rows=True)
+    with torch.inference_mode(), LayerCapture(model, [2, 0]) as cap:
+        model(input_ids=torch.tensor([ids]))
+        own = cap.features()
+    assert pre.layer_ids == (0, 2) and pre.t == len(ids) and pre.ms > 0
+    assert torch.equal(pre.features([2, 0], True), own)  # the drafter's own layer order
+    assert torch.equal(pre.features([0], False), own[-1:, 64:])
+    last = decode.prefill(model, ids, [0, 2])
+    assert last.feats.shape == (1, 128)
+    with pytest.raises(ValueError, match="every position"):
+        last.features([0], True)
+    with pytest.raises(ValueError, match=r"not \[1\]"):
+        pre.features([1], False)
+
+
+def test_shared_prefill_changes_no_token_and_runs_once_per_history(tokenizer, monkeypatch):
+    """replay_methods: every method and temperature from one prefill per history gives the
+    tokens, rounds and plain outputs each method gets from a prefill of its own; untimed
+    (shared plain) and timed give the same tokens too."""
+    from dlite.decoding import replay as replay_mod
+    model = tiny_target(vocab=len(tokenizer))
+    builders = {"oracle": lambda: (lambda ids: TargetAsDrafter(model, ids, GAMMA)),   # history, last layer
+                "random": lambda: RandomDrafter(model, GAMMA, target_layer_ids=[0, 1]),
+                "half": lambda: (lambda ids: HalfRightDrafter(model, ids, GAMMA))}
+    args = {"max_new_tokens": 10, "buckets": [16, 64]}
+    prompt_lens = []
+
+    def counted(target, ids, *a, **kw):  # the real prefill, counted
+        prompt_lens.append(len(ids))
+        return decode.prefill(target, ids, *a, **kw)
+    monkeypatch.setattr(replay_mod, "prefill", counted)
+    timed, _ = replay_mod.replay_methods(model, tokenizer, builders, [TRAJ], args, temperatures=[0.0, 1.0])
+    tasks = list(iter_tasks(tokenizer, TRAJ))
+    assert sorted(prompt_lens) == sorted(len(t["prompt_ids"]) for t in tasks)  # one prefill each
+    shared, _ = replay_mod.replay_methods(model, tokenizer, builders, [TRAJ], args, temperatures=[0.0, 1.0], timed=False)
+    for name, build in builders.items():
+        for t in ("0.0", "1.0"):
+            a = EvalArgs(max_new_tokens=10, temperature=float(t))
+            own = [_run_task(model, build(), task, a, (), True, k) for k, task in enumerate(tasks)]
+            for mine, other, ref in zip(timed[name][t][0], shared[name][t][0], own):
+                assert mine["spec_ids"] == other["spec_ids"] == ref["spec_ids"]
+                assert mine["plain_ids"] == other["plain_ids"] == ref["plain_ids"]
+                assert [r["accepted"] for r in mine["rounds"]] == [r["accepted"] for r in ref["rounds"]]
+                assert mine["spec_e2e_ms"] >= mine["prefill_ms"] > 0
+    greedy = aggregate(*timed["half"]["0.0"], EvalArgs(max_new_tokens=10, buckets=(16, 64)))
+    assert greedy["lossless"] is True and greedy["n_tasks"] == len(tasks)
