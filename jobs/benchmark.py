@@ -77,7 +77,7 @@ def quality(cfg, args) -> dict:
     # (the pipeline DAG with the settings of pipelines/benchmarks/quality.py); plots beside --out.
     from pipelines.benchmarks import ablations
     from pipelines.benchmarks.quality import run
-    return run(cfg, args.out, ablations=ablations.parse(args.ablations) if args.ablations else (),
+    return run(cfg, args.out, ablations=ablations.parse(args.ablations, cfg) if args.ablations else (),
                budget=args.budget, prompts=args.prompts, n_prompts=args.n_prompts)
 
 

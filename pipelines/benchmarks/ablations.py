@@ -28,19 +28,34 @@ ABLATIONS: Dict[str, tuple] = {  # in the order `all` runs them: the likeliest c
     "head_attn": ({"drafter.head": "attn"}, "one causal attention layer as the sequential head instead of a GRU"),
     "anchors_x4": ({"data.anchors_per_seq": 64}, "4x more anchors sampled per training row"),
     "distill_all": ({"train.distill_frac": 1.0}, "alignment by teacher distillation only"),
+    # The draft-vocabulary sweep (issue 20): N relative to the config's, teacher and
+    # student alike (a student takes its teacher's ids), same budget; the rows add the
+    # held-out coverage of the target's greedy tokens and the draft time per bucket.
+    "vocab_half": ({"draft_vocab": 0.5}, "draft vocabulary of half the configured N"),
+    "vocab_double": ({"draft_vocab": 2}, "draft vocabulary of twice the configured N"),
+    "vocab_full": ({"draft_vocab": None}, "the target's full vocabulary instead of a draft vocabulary"),
 }
 STAGES = ["collect", "teacher", "align", "evaluate"]
 
 
-def parse(names: str) -> List[str]:
-    """`all` or a comma list of ABLATIONS keys; unknown names fail before any work."""
+def parse(names: str, cfg=None) -> List[str]:
+    """`all` or a comma list of ABLATIONS keys; unknown names fail before any work. With
+    the benchmark's `cfg`: `all` keeps the ablations that apply to it (the vocabulary
+    sweep needs a configured draft vocabulary) and each named one is configured once
+    here, so one that cannot apply fails before any work too."""
     if names.strip() == "all":
-        return list(ABLATIONS)
+        return [n for n in ABLATIONS if cfg is None or applies(cfg, n)]
     out = [n.strip() for n in names.split(",") if n.strip()]
     bad = [n for n in out if n not in ABLATIONS]
     if bad:
         raise ValueError(f"--ablations: unknown {bad}; choose from {list(ABLATIONS)} or 'all'")
+    for name in out if cfg is not None else ():
+        ablation_config(cfg, name, cfg.data.max_seq_len)
     return out
+
+
+def applies(cfg, name: str) -> bool:
+    return "draft_vocab" not in ABLATIONS[name][0] or cfg.drafter.draft_vocab_size is not None
 
 
 def ablation_config(cfg, name: str, window: int):
@@ -51,13 +66,24 @@ def ablation_config(cfg, name: str, window: int):
     from pipelines.benchmarks.settings import bench_config
     over = dict(ABLATIONS[name][0])
     window = over.pop("window", window)
-    dotted = [f"{k}={v}" for k, v in over.items()]
+    if "draft_vocab" in over:
+        over["drafter.draft_vocab_size"] = _draft_vocab(cfg, name, over.pop("draft_vocab"))
+    dotted = [f"{k}={'null' if v is None else v}" for k, v in over.items()]
     base = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
     out = bench_config(base, window)
     out = OmegaConf.merge(out, {"run": {"stages": STAGES, "name": f"{out.run.name}-{name}"},
                                 "eval": {"temperatures": [0.0], "speed_trajectories": 1}})
     validate(out)
     return out
+
+
+def _draft_vocab(cfg, name: str, factor):
+    """The swept N: `factor` x the configured drafter.draft_vocab_size (None: full)."""
+    n = cfg.drafter.draft_vocab_size
+    if n is None:
+        raise ValueError(f"--ablations {name}: varies drafter.draft_vocab_size, which this config leaves "
+                         f"null (the full vocabulary already)")
+    return None if factor is None else int(n * factor)
 
 
 def run_one(cfg, name: str, window: int, parent: str, log=print) -> dict:
@@ -84,6 +110,9 @@ def _row(acfg, name: str, stages: list, done: dict, run_id: str) -> dict:
             "tau": dl["tau"], "tau_by_bucket": dl["tau_by_bucket"], "bucket_labels": dl["bucket_labels"],
             "accept_at_k": dl["accept_at_k"],
             "draft_ms_by_bucket": dl["draft_ms_by_bucket"], "lossless": dl["lossless"],
+            "draft_vocab_size": acfg.drafter.draft_vocab_size,
+            "draft_vocab_coverage": dl.get("draft_vocab_coverage"),
+            "speedup_vs_ar": dl.get("speedup_vs_ar"), "speedup_vs_ar_by_bucket": dl.get("speedup_vs_ar_by_bucket"),
             "stage_dirs": {s.name: s.dir for s in stages},
             # Reused stages were finished by the benchmark or an earlier ablation: their
             # seconds are from that run, not this one.

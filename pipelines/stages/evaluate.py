@@ -50,10 +50,16 @@ def heldout_records(cfg) -> list:
     return list(corpus.generate("heldout", n, cfg.run.seed, lo, hi))
 
 
+def _artifact(drafter_dir) -> tuple:
+    """(the artifact's config.json, its architecture: `dlite`, `teacher` or `dspark`;
+    older artifacts say `arch`, the oldest nothing: DLite)."""
+    conf = json.loads((Path(drafter_dir) / "config.json").read_text())
+    return conf, conf.get("architecture", conf.get("arch", "dlite"))
+
+
 def method_name(drafter_dir) -> str:
     """`dlite`, `dlite_no_teacher`, `teacher` or `dspark`, from the artifact's config.json."""
-    conf = json.loads((Path(drafter_dir) / "config.json").read_text())
-    arch = conf.get("architecture", conf.get("arch", "dlite"))
+    conf, arch = _artifact(drafter_dir)
     return "dlite_no_teacher" if arch == "dlite" and conf.get("skip_teacher") else arch
 
 
@@ -155,8 +161,7 @@ def _context_vocab_methods(cfg, drafters: Dict[str, str]) -> list:
         return []
     from dlite.decoding.methods import context_vocab_name
     name, path = next(iter(drafters.items()))
-    conf = json.loads((Path(path) / "config.json").read_text())
-    arch = conf.get("architecture", conf.get("arch", "dlite"))  # as `method_name` reads it
+    conf, arch = _artifact(path)
     if conf.get("draft_vocab_size") is None or arch != "dlite":
         raise ValueError(f"eval.context_vocab: the primary drafter {name} ({path}) must be a DLite drafter "
                          f"with a draft vocabulary (architecture {arch!r}, "
@@ -168,7 +173,7 @@ def _check_dtype(cfg, drafters: Dict[str, str]) -> None:
     """A drafter trained on features of the target in one dtype is evaluated against the
     target in that dtype, or not at all (before any Ray work)."""
     for name, path in drafters.items():
-        conf = json.loads((Path(path) / "config.json").read_text())
+        conf, _ = _artifact(path)
         if conf.get("target_dtype", cfg.target.dtype) != cfg.target.dtype:
             raise ValueError(f"target.dtype {cfg.target.dtype!r} but drafter {name} ({path}) was trained "
                              f"on features of the target in {conf['target_dtype']!r}")

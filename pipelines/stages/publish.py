@@ -108,9 +108,10 @@ def metric_tags(r: dict) -> dict:
 
 
 def tagged_metrics(tags: dict) -> dict:
-    """The greedy metrics back from a version's tags (None when absent)."""
+    """The greedy metrics back from a version's tags (None when absent: a version
+    registered before ties were classified has no `lossless_up_to_ties`, judged strictly)."""
     out = {}
-    for key in ("tau", "speedup_vs_ar", "lossless"):
+    for key in ("tau", "speedup_vs_ar", "lossless", "lossless_up_to_ties"):
         raw = tags.get(METRIC_TAG + key)
         out[key] = json.loads(raw) if raw is not None else None
     return out
@@ -243,9 +244,6 @@ def _gate_and_alias(c, cfg, name: str, mv) -> tuple:
     # The version's own tags, not this report: a reused version is gated on what it was
     # registered with, so a rerun decides the same way unless production moved.
     metrics = tagged_metrics(mv.tags)
-    raw = mv.tags.get(METRIC_TAG + "lossless_up_to_ties")  # absent on older versions: strict
-    if raw is not None:
-        metrics["lossless_up_to_ties"] = json.loads(raw)
     # A bf16 target's own ties may part its outputs: the gate's lossless check reads the
     # verdict of the target dtype's rule, the version keeps the strict tag.
     metrics["lossless"] = lossless_verdict(metrics, cfg.target.dtype)

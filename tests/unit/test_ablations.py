@@ -17,10 +17,15 @@ def test_parse_names():
 
 @pytest.mark.parametrize("name", list(ablations.ABLATIONS))
 def test_ablation_config_changes_only_its_switch(name):
-    cfg = load_config("configs/experiments/tiny.yaml")
+    # The vocabulary sweep varies a configured draft vocabulary (the tiny target's is full).
+    over = [] if not name.startswith("vocab_") else ["drafter.draft_vocab_size=256"]
+    cfg = load_config("configs/experiments/tiny.yaml", over)
     acfg = ablations.ablation_config(cfg, name, 1536)
     base = bench_config(cfg, 1536)
-    over = ablations.ABLATIONS[name][0]
+    over = dict(ablations.ABLATIONS[name][0])
+    if "draft_vocab" in over:
+        factor = over.pop("draft_vocab")
+        over["drafter.draft_vocab_size"] = None if factor is None else int(256 * factor)
     assert list(acfg.run.stages) == ["collect", "teacher", "align", "evaluate"]
     assert list(acfg.eval.temperatures) == [0.0] and acfg.eval.speed_trajectories == 1
     assert acfg.data.max_seq_len == over.get("window", 1536)
@@ -45,3 +50,16 @@ def test_held_out_turns_follow_the_target():
     assert (smol.eval.turn_pick, smol.eval.min_context) == ("context", 0)
     assert smol.eval.max_context == cfg.eval.max_context and smol.eval.max_chars == cfg.eval.max_chars
     assert (smol.train.steps_teacher, smol.train.steps_align, smol.train.steps_dspark) == (100, 100, 200)
+
+
+def test_vocabulary_sweep_needs_a_configured_draft_vocabulary():
+    with pytest.raises(ValueError, match="vocab_half.*draft_vocab_size"):
+        ablations.ablation_config(load_config("configs/experiments/tiny.yaml"), "vocab_half", 1536)
+    tiny = load_config("configs/experiments/tiny.yaml")
+    assert not any(n.startswith("vocab_") for n in ablations.parse("all", tiny))
+    with pytest.raises(ValueError, match="vocab_full"):
+        ablations.parse("head_none,vocab_full", tiny)  # before any work
+    smol = load_config("configs/experiments/smollm2.yaml")
+    assert {"vocab_half", "vocab_double", "vocab_full"} <= set(ablations.parse("all", smol))
+    assert ablations.ablation_config(smol, "vocab_double", 1536).drafter.draft_vocab_size == 16384
+    assert ablations.ablation_config(smol, "vocab_full", 1536).drafter.draft_vocab_size is None

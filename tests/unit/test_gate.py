@@ -59,8 +59,14 @@ def test_metric_tags_round_trip():
     tags = metric_tags(_r(2.5, 1.4))
     assert tags["dlite.metric.tau"] == "2.5" and tags["dlite.metric.tau_T1"] == "2.0"
     assert tags["dlite.metric.accept_at_k"] == "[0.9, 0.6, null]" and "dlite.metric.lossless_T1" not in tags
-    assert tagged_metrics(tags) == {"tau": 2.5, "speedup_vs_ar": 1.4, "lossless": True}
-    assert tagged_metrics({}) == {"tau": None, "speedup_vs_ar": None, "lossless": None}
+    # A report without ties classified (as versions registered before them): None, strict.
+    assert tagged_metrics(tags) == {"tau": 2.5, "speedup_vs_ar": 1.4, "lossless": True,
+                                    "lossless_up_to_ties": None}
+    r = _r(2.5, 1.4, lossless=False)
+    r["by_temperature"]["0.0"]["lossless_up_to_ties"] = True
+    tied = metric_tags(r)
+    assert tagged_metrics(tied)["lossless_up_to_ties"] is True and tagged_metrics(tied)["lossless"] is False
+    assert tagged_metrics({}) == {"tau": None, "speedup_vs_ar": None, "lossless": None, "lossless_up_to_ties": None}
 
 
 def test_report_methods_and_primary():
