@@ -60,8 +60,9 @@ def applies(cfg, name: str) -> bool:
 
 def ablation_config(cfg, name: str, window: int):
     """The benchmark's config for one ablation, validated: its overrides, DLite's stages
-    only, greedy replay and one speed trajectory (acceptance is what is compared); its
-    training window is `data.max_seq_len`."""
+    only, the DLite drafter alone (no eval.baselines / hybrids / context_vocab), greedy
+    replay and one speed trajectory (acceptance is what is compared); its training
+    window is `data.max_seq_len`."""
     from dlite.config import validate
     from pipelines.benchmarks.settings import bench_config
     over = dict(ABLATIONS[name][0])
@@ -72,7 +73,9 @@ def ablation_config(cfg, name: str, window: int):
     base = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
     out = bench_config(base, window)
     out = OmegaConf.merge(out, {"run": {"stages": STAGES, "name": f"{out.run.name}-{name}"},
-                                "eval": {"temperatures": [0.0], "speed_trajectories": 1}})
+                                "eval": {"temperatures": [0.0], "speed_trajectories": 1,
+                                         # the DLite variant alone: no training-free rows
+                                         "baselines": [], "hybrids": [], "context_vocab": False}})
     validate(out)
     return out
 

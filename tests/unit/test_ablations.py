@@ -19,7 +19,7 @@ def test_parse_names():
 def test_ablation_config_changes_only_its_switch(name):
     # The vocabulary sweep varies a configured draft vocabulary (the tiny target's is full).
     over = [] if not name.startswith("vocab_") else ["drafter.draft_vocab_size=256"]
-    cfg = load_config("configs/experiments/tiny.yaml", over)
+    cfg = load_config("configs/experiments/tiny.yaml", [*over, "eval.baselines=[prompt_lookup]"])
     acfg = ablations.ablation_config(cfg, name, 1536)
     base = bench_config(cfg, 1536)
     over = dict(ablations.ABLATIONS[name][0])
@@ -28,6 +28,7 @@ def test_ablation_config_changes_only_its_switch(name):
         over["drafter.draft_vocab_size"] = None if factor is None else int(256 * factor)
     assert list(acfg.run.stages) == ["collect", "teacher", "align", "evaluate"]
     assert list(acfg.eval.temperatures) == [0.0] and acfg.eval.speed_trajectories == 1
+    assert (list(acfg.eval.baselines), list(acfg.eval.hybrids), acfg.eval.context_vocab) == ([], [], False)
     assert acfg.data.max_seq_len == over.get("window", 1536)
     from omegaconf import OmegaConf
     for key, value in over.items():
