@@ -271,6 +271,9 @@ def _check_drafter(cfg: DictConfig) -> None:
 def _check_draft_vocab(cfg: DictConfig) -> None:
     """drafter.draft_vocab_size: null (the full vocabulary), or N ids with gamma <= N <= V
     (fewer than gamma ids could not even hold one block of distinct guesses)."""
+    prior = cfg.drafter.draft_vocab_prior
+    _require(prior in ("low_ids", "python_stdlib") or Path(prior).exists(), "drafter.draft_vocab_prior",
+             f"'low_ids', 'python_stdlib' or an existing text file / directory, got {prior!r}")
     n, key = cfg.drafter.draft_vocab_size, "drafter.draft_vocab_size"
     if n is None:
         return

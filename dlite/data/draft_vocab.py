@@ -9,17 +9,24 @@ The set, built by `build_draft_vocab` (pure, deterministic: ties go to the lower
      the end of a turn loses a round at every turn's end;
   2. the target's own next tokens at supervised positions of the training data, most
      frequent first (`supervised_counts`);
-  3. a prior beyond the training data, to N: by default the lowest ids. In a BPE
-     vocabulary those are the bytes and the earliest merges, i.e. the pieces most
-     frequent in general text. Measured on the built-in corpus (issue 20), data alone
+  3. a prior beyond the training data, to N (`prior_order`, `drafter.draft_vocab_prior`):
+     by default the lowest ids -- in a BPE vocabulary the bytes and the earliest
+     merges, the pieces most frequent in general text -- or the ids by frequency in a
+     larger text ("python_stdlib": this interpreter's standard-library source; or a
+     file / directory of text). Measured on the built-in corpus (issue 20), data alone
      caps held-out coverage near 0.9 whatever N is: a few dozen trajectories miss
-     the identifiers and file names an agent copies from its history.
+     the identifiers and file names an agent copies from its history; on SmolLM2's own
+     greedy answers an 8K vocabulary covered 0.914 with the low-id prior.
 `coverage` is the share of given tokens inside the set (report it on held-out rows)."""
 
-from typing import Iterable, Optional, Sequence
+import sysconfig
+from pathlib import Path
+from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
 import torch
+
+PRIOR_MAX_CHARS = 5_000_000  # enough text for a stable ranking; tokenised in ~10 s
 
 
 def supervised_counts(rows: Iterable[dict], vocab_size: int) -> np.ndarray:
@@ -71,3 +78,31 @@ def supervised_tokens(rows: Iterable[dict]) -> np.ndarray:
     parts = [np.asarray(r["input_ids"], dtype=np.int64)[np.asarray(r["loss_mask"]).astype(bool)]
              for r in rows]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def prior_order(prior: str, tokenizer, vocab_size: int) -> Optional[np.ndarray]:
+    """The ids in the order `build_draft_vocab` takes them after the training data:
+    None for "low_ids" (0, 1, 2, ...), else every id by its count in the prior's text
+    (desc; ties and unseen ids by id), the text read in a fixed order up to
+    PRIOR_MAX_CHARS so every stage and rank derives the same vocabulary."""
+    if prior == "low_ids":
+        return None
+    text = "".join(_prior_texts(prior))
+    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    counts = np.bincount(ids[ids < vocab_size], minlength=vocab_size)
+    return np.lexsort((np.arange(vocab_size), -counts))
+
+
+def _prior_texts(prior: str) -> List[str]:
+    root = Path(sysconfig.get_paths()["stdlib"]) if prior == "python_stdlib" else Path(prior)
+    if not root.exists():
+        raise ValueError(f"drafter.draft_vocab_prior: {prior!r} is neither 'low_ids', 'python_stdlib' "
+                         f"nor an existing file or directory")
+    files = [root] if root.is_file() else sorted(root.glob("*.py" if prior == "python_stdlib" else "**/*"))
+    out, n = [], 0
+    for f in (f for f in files if f.is_file()):
+        if n >= PRIOR_MAX_CHARS:
+            break
+        out.append(f.read_text(errors="ignore")[: PRIOR_MAX_CHARS - n])
+        n += len(out[-1])
+    return out

@@ -37,3 +37,8 @@ class DrafterConfig:
     # whole vocabulary (ids chosen from the training data by
     # `dlite.data.draft_vocab.build_draft_vocab`, kept with the artifact). None: all V.
     draft_vocab_size: Optional[int] = None
+    # What fills the draft vocabulary after the training data's tokens
+    # (`dlite.data.draft_vocab.prior_order`): "low_ids" (the earliest BPE merges),
+    # "python_stdlib" (token frequency over this interpreter's standard-library source:
+    # code text a coding agent reads and writes), or a path to a text file / directory.
+    draft_vocab_prior: str = "low_ids"

@@ -140,8 +140,8 @@ def draft_vocab_from_shards(cfg, uri: str, vocab_size: Optional[int] = None,
                             held_ids: Optional[List[str]] = None):
     """(draft ids, report) for `drafter.draft_vocab_size`, or (None, {}) when unset: the
     target's supervised next tokens of the training rows of collection `uri` (records
-    in `held_ids` left out, as the trainer leaves them out), the special tokens and the
-    low-id prior (`dlite.data.draft_vocab`). Deterministic: every rank and every stage
+    in `held_ids` left out, as the trainer leaves them out), the special tokens and
+    `drafter.draft_vocab_prior` (`dlite.data.draft_vocab`). Deterministic: every rank and every stage
     (teacher, DSpark, student without teacher) gets the same ids. The report has the
     train coverage and, when `held_ids` are given, the held-out coverage. `vocab_size`
     defaults to the target's (read from its config only when a draft vocabulary is set)."""
@@ -158,8 +158,9 @@ def draft_vocab_from_shards(cfg, uri: str, vocab_size: Optional[int] = None,
         for r in t.to_pylist():
             rows[r["id"] in held].append(r)
     counts = dv.supervised_counts(rows[False], vocab_size)
-    ids = dv.build_draft_vocab(counts, n, special_ids(cfg.target))
-    report = {"draft_vocab_size": n, "distinct_train_tokens": int((counts > 0).sum()),
+    prior = dv.prior_order(cfg.drafter.draft_vocab_prior, tgt.load_tokenizer(cfg.target), vocab_size)
+    ids = dv.build_draft_vocab(counts, n, special_ids(cfg.target), prior)
+    report = {"draft_vocab_size": n, "draft_vocab_prior": cfg.drafter.draft_vocab_prior, "distinct_train_tokens": int((counts > 0).sum()),
               "train_coverage": dv.coverage(ids, dv.supervised_tokens(rows[False]))}
     if rows[True]:
         report["heldout_coverage"] = dv.coverage(ids, dv.supervised_tokens(rows[True]))

@@ -34,6 +34,11 @@ ABLATIONS: Dict[str, tuple] = {  # in the order `all` runs them: the likeliest c
     "vocab_half": ({"draft_vocab": 0.5}, "draft vocabulary of half the configured N"),
     "vocab_double": ({"draft_vocab": 2}, "draft vocabulary of twice the configured N"),
     "vocab_full": ({"draft_vocab": None}, "the target's full vocabulary instead of a draft vocabulary"),
+    # ... and what fills it after the training data's tokens: code-text frequencies
+    # instead of the lowest ids; replayed over a per-request vocabulary too.
+    "vocab_prior_code": ({"drafter.draft_vocab_prior": "python_stdlib", "eval.context_vocab": True},
+                         "draft vocabulary filled by token frequency over Python standard-library "
+                         "source instead of the lowest ids (+ the per-request vocabulary)"),
 }
 STAGES = ["collect", "teacher", "align", "evaluate"]
 
@@ -55,7 +60,9 @@ def parse(names: str, cfg=None) -> List[str]:
 
 
 def applies(cfg, name: str) -> bool:
-    return "draft_vocab" not in ABLATIONS[name][0] or cfg.drafter.draft_vocab_size is not None
+    """The vocabulary ablations need a configured draft vocabulary."""
+    vocab = any(k.startswith(("draft_vocab", "drafter.draft_vocab")) for k in ABLATIONS[name][0])
+    return not vocab or cfg.drafter.draft_vocab_size is not None
 
 
 def ablation_config(cfg, name: str, window: int):
@@ -69,13 +76,15 @@ def ablation_config(cfg, name: str, window: int):
     window = over.pop("window", window)
     if "draft_vocab" in over:
         over["drafter.draft_vocab_size"] = _draft_vocab(cfg, name, over.pop("draft_vocab"))
+    elif not applies(cfg, name):
+        _draft_vocab(cfg, name, 1)  # raises: no draft vocabulary to fill
     dotted = [f"{k}={'null' if v is None else v}" for k, v in over.items()]
     base = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
     out = bench_config(base, window)
+    alone = {k: v for k, v in {"baselines": [], "hybrids": [], "context_vocab": False}.items()
+             if f"eval.{k}" not in over}  # the DLite variant alone, unless the ablation says
     out = OmegaConf.merge(out, {"run": {"stages": STAGES, "name": f"{out.run.name}-{name}"},
-                                "eval": {"temperatures": [0.0], "speed_trajectories": 1,
-                                         # the DLite variant alone: no training-free rows
-                                         "baselines": [], "hybrids": [], "context_vocab": False}})
+                                "eval": {"temperatures": [0.0], "speed_trajectories": 1, **alone}})
     validate(out)
     return out
 
@@ -84,8 +93,8 @@ def _draft_vocab(cfg, name: str, factor):
     """The swept N: `factor` x the configured drafter.draft_vocab_size (None: full)."""
     n = cfg.drafter.draft_vocab_size
     if n is None:
-        raise ValueError(f"--ablations {name}: varies drafter.draft_vocab_size, which this config leaves "
-                         f"null (the full vocabulary already)")
+        raise ValueError(f"--ablations {name}: varies the draft vocabulary, but this config leaves "
+                         f"drafter.draft_vocab_size null (the full vocabulary)")
     return None if factor is None else int(n * factor)
 
 
@@ -107,7 +116,8 @@ def run_one(cfg, name: str, window: int, parent: str, log=print) -> dict:
 
 
 def _row(acfg, name: str, stages: list, done: dict, run_id: str) -> dict:
-    dl = json.loads(Path(done["evaluate"]["report"]).read_text())["methods"]["dlite"]
+    methods = json.loads(Path(done["evaluate"]["report"]).read_text())["methods"]
+    dl, ctx = methods["dlite"], methods.get("dlite_ctxvocab")
     return {"overrides": ABLATIONS[name][0], "why": ABLATIONS[name][1], "training_window": acfg.data.max_seq_len,
             "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align")},
             "tau": dl["tau"], "tau_by_bucket": dl["tau_by_bucket"], "bucket_labels": dl["bucket_labels"],
@@ -116,6 +126,9 @@ def _row(acfg, name: str, stages: list, done: dict, run_id: str) -> dict:
             "draft_vocab_size": acfg.drafter.draft_vocab_size,
             "draft_vocab_coverage": dl.get("draft_vocab_coverage"),
             "speedup_vs_ar": dl.get("speedup_vs_ar"), "speedup_vs_ar_by_bucket": dl.get("speedup_vs_ar_by_bucket"),
+            "draft_vocab_prior": acfg.drafter.draft_vocab_prior,
+            "ctxvocab": None if ctx is None else {k: ctx.get(k) for k in (
+                "tau", "tau_by_bucket", "draft_vocab_coverage", "speedup_vs_ar", "draft_ms_by_bucket", "lossless")},
             "stage_dirs": {s.name: s.dir for s in stages},
             # Reused stages were finished by the benchmark or an earlier ablation: their
             # seconds are from that run, not this one.

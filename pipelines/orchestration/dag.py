@@ -84,8 +84,16 @@ def _value(cfg, key: str):
     return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
 
 
+# Settings added after stages were first hashed: at these values they leave a stage's
+# hash as it was, so finished stages stay reusable.
+_HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids"}}
+
+
 def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
     values = {k: _value(cfg, k) for k in d.keys}
+    for key, neutral in _HASH_NEUTRAL.items():
+        if isinstance(values.get(key), dict):
+            values[key] = {k: v for k, v in values[key].items() if neutral.get(k, object()) != v}
     payload = {"stage": d.name, "keys": values, "deps": dep_hashes,
                **({"target": identity} if d.name == "collect" else {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]

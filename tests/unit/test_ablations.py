@@ -23,16 +23,20 @@ def test_ablation_config_changes_only_its_switch(name):
     acfg = ablations.ablation_config(cfg, name, 1536)
     base = bench_config(cfg, 1536)
     over = dict(ablations.ABLATIONS[name][0])
+    assert ablations.ABLATIONS[name][0] == dict(over)  # the table itself is never changed
     if "draft_vocab" in over:
         factor = over.pop("draft_vocab")
         over["drafter.draft_vocab_size"] = None if factor is None else int(256 * factor)
     assert list(acfg.run.stages) == ["collect", "teacher", "align", "evaluate"]
     assert list(acfg.eval.temperatures) == [0.0] and acfg.eval.speed_trajectories == 1
-    assert (list(acfg.eval.baselines), list(acfg.eval.hybrids), acfg.eval.context_vocab) == ([], [], False)
+    if "eval.context_vocab" not in over:
+        assert (list(acfg.eval.baselines), list(acfg.eval.hybrids), acfg.eval.context_vocab) == ([], [], False)
     assert acfg.data.max_seq_len == over.get("window", 1536)
     from omegaconf import OmegaConf
     for key, value in over.items():
-        if key != "window":
+        if key == "eval.context_vocab":
+            assert acfg.eval.context_vocab is value and list(acfg.eval.baselines) == []
+        elif key != "window":
             assert OmegaConf.select(acfg, key) == value and OmegaConf.select(base, key) != value
     # Everything the benchmark fixes stays: held-out lengths, budget, split policy.
     for key in ("eval.min_chars", "eval.max_chars", "eval.turn_pick", "train.steps_teacher",
@@ -61,6 +65,8 @@ def test_vocabulary_sweep_needs_a_configured_draft_vocabulary():
     with pytest.raises(ValueError, match="vocab_full"):
         ablations.parse("head_none,vocab_full", tiny)  # before any work
     smol = load_config("configs/experiments/smollm2.yaml")
-    assert {"vocab_half", "vocab_double", "vocab_full"} <= set(ablations.parse("all", smol))
+    assert {"vocab_half", "vocab_double", "vocab_full", "vocab_prior_code"} <= set(ablations.parse("all", smol))
+    with pytest.raises(ValueError, match="vocab_prior_code"):
+        ablations.ablation_config(tiny, "vocab_prior_code", 1536)
     assert ablations.ablation_config(smol, "vocab_double", 1536).drafter.draft_vocab_size == 16384
     assert ablations.ablation_config(smol, "vocab_full", 1536).drafter.draft_vocab_size is None

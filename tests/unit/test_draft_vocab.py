@@ -215,3 +215,51 @@ def test_mask_id_falls_back_to_a_learned_embedding_without_a_spare_row():
             return 8
     assert mask_id(full, Tok()) == LEARNED_MASK
     assert mask_id(SimpleNamespace(config=SimpleNamespace(vocab_size=9)), Tok()) == 8
+
+
+def test_prior_fills_the_vocabulary_by_frequency_in_its_text(tmp_path):
+    """drafter.draft_vocab_prior: after the training data's tokens, a text prior ranks ids
+    by their count in that text (the file read in a fixed order), so the vocabulary
+    takes the text's most frequent pieces before rare low ids; 'low_ids' keeps 0, 1, ..."""
+    from dlite.config import load_config
+    from dlite.target import load_tokenizer
+    from dlite.train import plan as st
+    tok = load_tokenizer(load_config(None, []).target)
+    text = tmp_path / "code.py"
+    text.write_text("def frobnicate(widget):\n    return widget.frobnicate()\n" * 50)
+    order = dv.prior_order(str(text), tok, len(tok))
+    common = set(tok(text.read_text(), add_special_tokens=False)["input_ids"])
+    assert dv.prior_order("low_ids", tok, len(tok)) is None
+    assert sorted(order.tolist()) == list(range(len(tok))) and set(order[: len(common)].tolist()) == common
+    ids = dv.build_draft_vocab(np.zeros(len(tok), np.int64), len(common) + 2, [0, 1], order)
+    assert common <= set(ids.tolist())
+    assert np.array_equal(order, dv.prior_order(str(tmp_path), tok, len(tok)))  # a directory of it
+    stdlib = dv.prior_order("python_stdlib", tok, len(tok))
+    assert len(stdlib) == len(tok) and stdlib[0] != 0  # real code text, not the lowest id
+    with pytest.raises(ValueError, match="draft_vocab_prior"):
+        dv.prior_order(str(tmp_path / "nope"), tok, len(tok))
+    with pytest.raises(ValueError, match="drafter.draft_vocab_prior"):
+        load_config(None, ["drafter.draft_vocab_prior=/no/such/text"])  # before any work
+    cfg = load_config(None, ["drafter.draft_vocab_size=64", f"drafter.draft_vocab_prior={text}"])
+    (tmp_path / "s").mkdir()
+    uri = _shards(tmp_path / "s", [{"id": "r0", "part": 0, "index": 0, "input_ids": np.array([3000]),
+                                    "loss_mask": np.ones(1), "anchors": np.array([0]),
+                                    "features": np.zeros((1, 2), np.float16),
+                                    "ref_hidden": np.zeros((1, 2), np.float16)}])
+    ids, report = st.draft_vocab_from_shards(cfg, uri, len(tok))
+    assert report["draft_vocab_prior"] == str(text) and {3000} | common <= set(ids.tolist())
+
+
+def test_a_default_prior_leaves_finished_stages_reusable():
+    """A setting added later hashes as before at its neutral value; otherwise it counts."""
+    from omegaconf import OmegaConf
+    from dlite.config import load_config
+    from pipelines.orchestration import dag
+    cfg = load_config(None, ["drafter.draft_vocab_size=64"])
+    d = dag.BY_NAME["teacher"]
+    before = OmegaConf.to_container(cfg, resolve=True)
+    del before["drafter"]["draft_vocab_prior"]  # a config from before the setting existed
+    old = dag._stage_hash(OmegaConf.create(before), d, {}, "t")
+    assert dag._stage_hash(cfg, d, {}, "t") == old
+    code = OmegaConf.merge(cfg, {"drafter": {"draft_vocab_prior": "python_stdlib"}})
+    assert dag._stage_hash(code, d, {}, "t") != old
