@@ -56,8 +56,17 @@ def compare(report: dict, window: int) -> dict:
         "draft_ms_by_bucket": {n: r["draft_ms_by_bucket"] for n, r in m.items()},
         "draft_cache_bytes_by_bucket": {n: r["draft_cache_bytes_by_bucket"] for n, r in m.items()},
         "speedup_vs_ar_by_bucket": {n: r["speedup_vs_ar_by_bucket"] for n, r in m.items()},
+        "draft_over_target_step": {n: draft_over_step(r) for n, r in m.items()},
+        "draft_vocab_coverage": {n: r.get("draft_vocab_coverage") for n, r in m.items()},
         **hybrid_goals(m),
     }
+
+
+def draft_over_step(r: dict):
+    """One draft round's time over one plain decode step (issue 20's ratio), both from
+    the timed replay: mean draft ms per round / plain ms per generated token."""
+    draft, plain = (r.get("time_split") or {}).get("draft_ms"), (r.get("tokens_per_s") or {}).get("plain")
+    return None if draft is None or not plain else round(draft * plain / 1000.0, 4)
 
 
 def hybrid_goals(m: dict) -> dict:

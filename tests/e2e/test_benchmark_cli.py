@@ -119,6 +119,9 @@ def test_quality_report_with_an_ablation(repo_root, tmp_path, smoke_pipeline):
     assert cmp["goal_speedup_ge_1_5"] == (dl["speedup_vs_ar"] >= 1.5) and rep["training_window"] == 1536
     assert cmp["teacher_effect_tau"] == _ratio(dl["tau"], nt["tau"])
     assert cmp["goal_teacher_effect_ge_1"] == (cmp["teacher_effect_tau"] >= 1.0)
+    step_ms = 1000.0 / dl["tokens_per_s"]["plain"]
+    assert cmp["draft_over_target_step"]["dlite"] == pytest.approx(dl["time_split"]["draft_ms"] / step_ms, abs=1e-4)
+    assert cmp["draft_vocab_coverage"]["dlite"] == dl["draft_vocab_coverage"]
     # In-training estimate next to the held-out figure, per learned method.
     for stage, name in (("align", "dlite"), ("align_no_teacher", "dlite_no_teacher"), ("dspark", "dspark")):
         v = rep["val_vs_heldout"][name]
