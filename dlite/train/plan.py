@@ -160,7 +160,8 @@ def draft_vocab_from_shards(cfg, uri: str, vocab_size: Optional[int] = None,
     counts = dv.supervised_counts(rows[False], vocab_size)
     prior = dv.prior_order(cfg.drafter.draft_vocab_prior, tgt.load_tokenizer(cfg.target), vocab_size)
     ids = dv.build_draft_vocab(counts, n, special_ids(cfg.target), prior)
-    report = {"draft_vocab_size": n, "draft_vocab_prior": cfg.drafter.draft_vocab_prior, "distinct_train_tokens": int((counts > 0).sum()),
+    report = {"draft_vocab_size": n,  # numbers only: the stage logs them as MLflow metrics
+              "distinct_train_tokens": int((counts > 0).sum()),
               "train_coverage": dv.coverage(ids, dv.supervised_tokens(rows[False]))}
     if rows[True]:
         report["heldout_coverage"] = dv.coverage(ids, dv.supervised_tokens(rows[True]))

@@ -247,7 +247,8 @@ def test_prior_fills_the_vocabulary_by_frequency_in_its_text(tmp_path):
                                     "features": np.zeros((1, 2), np.float16),
                                     "ref_hidden": np.zeros((1, 2), np.float16)}])
     ids, report = st.draft_vocab_from_shards(cfg, uri, len(tok))
-    assert report["draft_vocab_prior"] == str(text) and {3000} | common <= set(ids.tolist())
+    assert {3000} | common <= set(ids.tolist())
+    assert all(isinstance(v, (int, float)) for v in report.values())  # logged as MLflow metrics
 
 
 def test_a_default_prior_leaves_finished_stages_reusable():
