@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from dlite.config_schema import BASELINES, HYBRIDS, STAGES, DLiteConfig  # noqa: F401  (re-exported)
+from dlite.models.config import prior_root
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -271,9 +272,10 @@ def _check_drafter(cfg: DictConfig) -> None:
 def _check_draft_vocab(cfg: DictConfig) -> None:
     """drafter.draft_vocab_size: null (the full vocabulary), or N ids with gamma <= N <= V
     (fewer than gamma ids could not even hold one block of distinct guesses)."""
-    prior = cfg.drafter.draft_vocab_prior
-    _require(prior in ("low_ids", "python_stdlib") or Path(prior).exists(), "drafter.draft_vocab_prior",
-             f"'low_ids', 'python_stdlib' or an existing text file / directory, got {prior!r}")
+    try:
+        prior_root(cfg.drafter.draft_vocab_prior)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     n, key = cfg.drafter.draft_vocab_size, "drafter.draft_vocab_size"
     if n is None:
         return

@@ -19,12 +19,12 @@ The set, built by `build_draft_vocab` (pure, deterministic: ties go to the lower
      greedy answers an 8K vocabulary covered 0.914 with the low-id prior.
 `coverage` is the share of given tokens inside the set (report it on held-out rows)."""
 
-import sysconfig
-from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
 import torch
+
+from dlite.models.config import prior_root
 
 PRIOR_MAX_CHARS = 5_000_000  # enough text for a stable ranking; tokenised in ~10 s
 
@@ -94,10 +94,7 @@ def prior_order(prior: str, tokenizer, vocab_size: int) -> Optional[np.ndarray]:
 
 
 def _prior_texts(prior: str) -> List[str]:
-    root = Path(sysconfig.get_paths()["stdlib"]) if prior == "python_stdlib" else Path(prior)
-    if not root.exists():
-        raise ValueError(f"drafter.draft_vocab_prior: {prior!r} is neither 'low_ids', 'python_stdlib' "
-                         f"nor an existing file or directory")
+    root = prior_root(prior)
     files = [root] if root.is_file() else sorted(root.glob("*.py" if prior == "python_stdlib" else "**/*"))
     out, n = [], 0
     for f in (f for f in files if f.is_file()):

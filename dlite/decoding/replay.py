@@ -272,7 +272,11 @@ def replay_methods(target, tokenizer, builders: Dict[str, Callable], records: It
     made = {(n, t): build() for n, build in builders.items() for t in temps}
     results = {key: [] for key in made}
     skipped = {t: 0 for t in temps}
+    names = list(builders)
     for rec in records:
+        # One task generator per temperature: a `turns` record's next prompt holds this
+        # temperature's own reply, so each renders its turns itself (a few ms of
+        # tokenising per turn against seconds of prefill).
         gens = [iter_tasks(tokenizer, rec, a.max_turns, a.turn_pick, (a.min_context, a.max_context))
                 for _ in temps]
         for step in zip(*gens):  # lockstep: a `turns` record's reply_ids is set before next()
@@ -286,7 +290,6 @@ def replay_methods(target, tokenizer, builders: Dict[str, Callable], records: It
             pres = _shared_prefills(target, live, ds)
             for t, task in live.items():
                 at = dataclasses.replace(a, temperature=t)
-                names = [n for n, tt in made if tt == t]
                 k = len(results[(names[0], t)])
                 if timed:
                     for n in names:
@@ -301,7 +304,7 @@ def replay_methods(target, tokenizer, builders: Dict[str, Callable], records: It
                                **plain}
                         results[(n, t)].append(_checked(target, ds[(n, t)], task, at, res))
                 task["reply_ids"] = results[(names[0], t)][-1]["plain_ids"]
-    out = {n: {str(t): (results[(n, t)], skipped[t]) for t in temps} for n in builders}
+    out = {n: {str(t): (results[(n, t)], skipped[t]) for t in temps} for n in names}
     return out, a
 
 

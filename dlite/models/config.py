@@ -2,8 +2,26 @@
 the DSpark-style baseline, so a student can be built from a teacher's config and the
 run config (`dlite.config`) embeds it unchanged as its `drafter` section."""
 
+import sysconfig
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional
+
+DRAFT_VOCAB_PRIORS = ("low_ids", "python_stdlib")
+
+
+def prior_root(prior: str) -> Optional[Path]:
+    """Where `draft_vocab_prior` reads its text: None for "low_ids" (no text), this
+    interpreter's standard-library directory for "python_stdlib", else the given file or
+    directory. The one rule the config check and the vocabulary builder share; raises
+    ValueError naming the key when the path does not exist."""
+    if prior == "low_ids":
+        return None
+    root = Path(sysconfig.get_paths()["stdlib"]) if prior == "python_stdlib" else Path(prior)
+    if not root.exists():
+        raise ValueError(f"drafter.draft_vocab_prior: {prior!r} is neither one of "
+                         f"{DRAFT_VOCAB_PRIORS} nor an existing text file or directory")
+    return root
 
 
 @dataclass

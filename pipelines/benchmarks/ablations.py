@@ -59,10 +59,27 @@ def parse(names: str, cfg=None) -> List[str]:
     return out
 
 
+# The ablations that vary a configured draft vocabulary (its N or its prior).
+VOCAB_SWEEP = ("vocab_half", "vocab_double", "vocab_full", "vocab_prior_code")
+
+
+def why_not(cfg, name: str):
+    """Why ablation `name` cannot apply to `cfg` (None when it can): the vocabulary sweep
+    needs a configured draft vocabulary, and a prior ablation that the config already
+    uses would only retrain the benchmark's own drafter."""
+    if name not in VOCAB_SWEEP:
+        return None
+    if cfg.drafter.draft_vocab_size is None:
+        return ("varies the draft vocabulary, but this config leaves drafter.draft_vocab_size "
+                "null (the full vocabulary)")
+    prior = ABLATIONS[name][0].get("drafter.draft_vocab_prior")
+    if prior is not None and cfg.drafter.draft_vocab_prior == prior:
+        return f"this config already sets drafter.draft_vocab_prior={prior}"
+    return None
+
+
 def applies(cfg, name: str) -> bool:
-    """The vocabulary ablations need a configured draft vocabulary."""
-    vocab = any(k.startswith(("draft_vocab", "drafter.draft_vocab")) for k in ABLATIONS[name][0])
-    return not vocab or cfg.drafter.draft_vocab_size is not None
+    return why_not(cfg, name) is None
 
 
 def ablation_config(cfg, name: str, window: int):
@@ -72,12 +89,13 @@ def ablation_config(cfg, name: str, window: int):
     window is `data.max_seq_len`."""
     from dlite.config import validate
     from pipelines.benchmarks.settings import bench_config
+    if why_not(cfg, name):
+        raise ValueError(f"--ablations {name}: {why_not(cfg, name)}")
     over = dict(ABLATIONS[name][0])
     window = over.pop("window", window)
-    if "draft_vocab" in over:
-        over["drafter.draft_vocab_size"] = _draft_vocab(cfg, name, over.pop("draft_vocab"))
-    elif not applies(cfg, name):
-        _draft_vocab(cfg, name, 1)  # raises: no draft vocabulary to fill
+    if "draft_vocab" in over:  # the swept N: a factor of the configured N (None: full)
+        factor = over.pop("draft_vocab")
+        over["drafter.draft_vocab_size"] = None if factor is None else int(cfg.drafter.draft_vocab_size * factor)
     dotted = [f"{k}={'null' if v is None else v}" for k, v in over.items()]
     base = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
     out = bench_config(base, window)
@@ -87,15 +105,6 @@ def ablation_config(cfg, name: str, window: int):
                                 "eval": {"temperatures": [0.0], "speed_trajectories": 1, **alone}})
     validate(out)
     return out
-
-
-def _draft_vocab(cfg, name: str, factor):
-    """The swept N: `factor` x the configured drafter.draft_vocab_size (None: full)."""
-    n = cfg.drafter.draft_vocab_size
-    if n is None:
-        raise ValueError(f"--ablations {name}: varies the draft vocabulary, but this config leaves "
-                         f"drafter.draft_vocab_size null (the full vocabulary)")
-    return None if factor is None else int(n * factor)
 
 
 def run_one(cfg, name: str, window: int, parent: str, log=print) -> dict:

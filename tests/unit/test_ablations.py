@@ -65,7 +65,13 @@ def test_vocabulary_sweep_needs_a_configured_draft_vocabulary():
     with pytest.raises(ValueError, match="vocab_full"):
         ablations.parse("head_none,vocab_full", tiny)  # before any work
     smol = load_config("configs/experiments/smollm2.yaml")
-    assert {"vocab_half", "vocab_double", "vocab_full", "vocab_prior_code"} <= set(ablations.parse("all", smol))
+    assert {"vocab_half", "vocab_double", "vocab_full"} <= set(ablations.parse("all", smol))
+    # SmolLM2 already drafts over the code-text prior: that ablation would retrain itself.
+    assert "vocab_prior_code" not in ablations.parse("all", smol)
+    with pytest.raises(ValueError, match="vocab_prior_code.*already sets"):
+        ablations.parse("vocab_prior_code", smol)
+    low = load_config("configs/experiments/smollm2.yaml", ["drafter.draft_vocab_prior=low_ids"])
+    assert "vocab_prior_code" in ablations.parse("all", low)
     with pytest.raises(ValueError, match="vocab_prior_code"):
         ablations.ablation_config(tiny, "vocab_prior_code", 1536)
     assert ablations.ablation_config(smol, "vocab_double", 1536).drafter.draft_vocab_size == 16384
