@@ -342,6 +342,11 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
     _require(0 <= t.distill_frac <= 1, "train.distill_frac",
              f"not in [0, 1]: {t.distill_frac}")
     _require(0 <= t.warmup_frac < 1, "train.warmup_frac", f"not in [0, 1): {t.warmup_frac}")
+    _require(t.supervise in ("assistant", "all"), "train.supervise",
+             f"'assistant' or 'all', got {t.supervise!r}")
+    _require(t.supervise == "assistant" or d.storage_mode == "full", "train.supervise",
+             f"'all' needs data.storage_mode 'full' (anchors storage has features at assistant "
+             f"anchors only), got {d.storage_mode!r}")
     _require(all(x >= 0 for x in e.temperatures), "eval.temperatures",
              f"must be >= 0, got {list(e.temperatures)}")
     b = list(e.buckets)

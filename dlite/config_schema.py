@@ -68,6 +68,12 @@ class TrainConfig:
     steps_align: int = 20
     steps_dspark: int = 20
     distill_frac: float = 0.5  # share of align steps distilling the teacher
+    # Which positions train the drafters: "assistant" (the target's own replies, what it
+    # generates at serving time) or "all" (every token with a next one: tool output, user
+    # text, file contents too -- more copying to learn from). Needs data.storage_mode
+    # "full" (anchors storage keeps features at assistant anchors only). Validation rows
+    # stay on assistant positions either way, so val_tau compares across the switch.
+    supervise: str = "assistant"
     lr: float = 6e-4
     warmup_frac: float = 0.04
     weight_decay: float = 0.01

@@ -24,15 +24,19 @@ BLOCKS = {"ref_hidden": "ref_hidden_blocks", "topk_ids": "topk_ids_blocks",
           "topk_logprobs": "topk_logprobs_blocks"}
 
 
-def training_row(row: dict, manifest: dict) -> dict:
+def training_row(row: dict, manifest: dict, supervise: str = "assistant") -> dict:
     """A shard row decoded for training. An `anchors`-storage row keeps features only at
     anchors-1 and references per block: its features become a per-position array that
     is zero elsewhere (the DLite student reads nothing else; the trainer holds a full
     row's features the same way, so only disk and shard reads shrink), its references
-    move to `*_blocks`, and `fixed_anchors` keeps its stored anchors every epoch."""
+    move to `*_blocks`, and `fixed_anchors` keeps its stored anchors every epoch.
+    `supervise="all"` (`train.supervise`, full storage): every position is a target and
+    an anchor candidate, not only the assistant's tokens."""
+    if supervise != "assistant" and manifest["storage_mode"] == "anchors":
+        raise ValueError("train.supervise='all' needs full storage: this collection kept assistant anchors only")
     r = shards.decode_row(row, manifest)
     if manifest["storage_mode"] != "anchors":
-        return r
+        return r if supervise == "assistant" else {**r, "loss_mask": np.ones(len(r["input_ids"]), np.int8)}
     feats = np.zeros((len(r["input_ids"]), r["features"].shape[1]), r["features"].dtype)
     feats[r["anchors"].astype(np.int64) - 1] = r["features"]
     out = {k: v for k, v in r.items() if k not in BLOCKS}

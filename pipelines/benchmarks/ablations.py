@@ -28,6 +28,9 @@ ABLATIONS: Dict[str, tuple] = {  # in the order `all` runs them: the likeliest c
     "head_attn": ({"drafter.head": "attn"}, "one causal attention layer as the sequential head instead of a GRU"),
     "anchors_x4": ({"data.anchors_per_seq": 64}, "4x more anchors sampled per training row"),
     "distill_all": ({"train.distill_frac": 1.0}, "alignment by teacher distillation only"),
+    "supervise_all": ({"train.supervise": "all"},
+                      "every position supervised (tool output, user text, files) instead of the "
+                      "target's own replies only"),
     # The draft-vocabulary sweep (issue 20): N relative to the config's, teacher and
     # student alike (a student takes its teacher's ids), same budget; the rows add the
     # held-out coverage of the target's greedy tokens and the draft time per bucket.

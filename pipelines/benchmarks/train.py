@@ -76,7 +76,7 @@ def plain_stage(cfg, stage: str, input_uri: str, teacher: Optional[str] = None,
     engine = PlainEngine(st.build_model(cfg, plan, vocab, teacher_model, device, draft_ids), t.lr,
                          t.weight_decay, t.grad_clip, t.grad_accum)
     stream = BatchStream(lambda epoch: rows, t.batch_size, cfg.data.anchors_per_seq, cfg.run.seed,
-                         shuffle_buffer(cfg), lambda r: training_row(r, manifest))
+                         shuffle_buffer(cfg), lambda r: training_row(r, manifest, t.supervise))
     val = st.val_batches(st.heldout_rows(**inputs.val), t.batch_size, device)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -30,7 +30,7 @@ from pipelines.common import tracking
 MARKER = "stage.json"
 _TRAIN_COMMON = ("run.seed", "drafter", "train.lr", "train.warmup_frac", "train.weight_decay",
                  "train.batch_size", "train.grad_accum", "train.grad_clip", "train.zero_stage",
-                 "train.precision", "train.eval_every", "cluster.num_workers")
+                 "train.precision", "train.eval_every", "train.supervise", "cluster.num_workers")
 # Which drafter each training stage yields, under the name reports and plots use.
 METHODS = {"align": "dlite", "align_no_teacher": "dlite_no_teacher", "dspark": "dspark"}
 
@@ -85,8 +85,8 @@ def _value(cfg, key: str):
 
 
 # Settings added after stages were first hashed: at these values they leave a stage's
-# hash as it was, so finished stages stay reusable.
-_HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids"}}
+# hash as it was, so finished stages stay reusable (a section's field, or a whole key).
+_HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids"}, "train.supervise": "assistant"}
 
 
 def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
@@ -94,6 +94,8 @@ def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
     for key, neutral in _HASH_NEUTRAL.items():
         if isinstance(values.get(key), dict):
             values[key] = {k: v for k, v in values[key].items() if neutral.get(k, object()) != v}
+        elif key in values and values[key] == neutral:
+            del values[key]
     payload = {"stage": d.name, "keys": values, "deps": dep_hashes,
                **({"target": identity} if d.name == "collect" else {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -194,7 +194,7 @@ def _worker(conf: dict) -> None:
     engine = DeepSpeedEngine(st.build_model(cfg, plan, vocab, teacher, device, draft_ids), cfg.train, world)
     teacher = teacher.to(engine.dtype) if teacher is not None else None
     start = _resume(engine)
-    decode = lambda row: training_row(row, conf["manifest"])  # noqa: E731
+    decode = lambda row: training_row(row, conf["manifest"], cfg.train.supervise)  # noqa: E731
     rows = _ShardRows(ray.train.get_dataset_shard("train"), conf["cached"])
     stream = BatchStream(rows, cfg.train.batch_size,
                          cfg.data.anchors_per_seq, cfg.run.seed, conf["shuffle_buffer"], decode,

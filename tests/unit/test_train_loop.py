@@ -232,3 +232,41 @@ def test_only_the_student_without_teacher_takes_anchor_shards():
     assert "dspark" in require_full(plan_stage(cfg, "dspark"))
     skip = load_config("configs/experiments/tiny.yaml", ["train.skip_teacher=true"])
     assert require_full(plan_stage(skip, "align")) is None
+
+
+def test_supervise_all_trains_on_every_position(setup):
+    """`train.supervise=all`: a full-storage row's every position becomes a target and
+    an anchor candidate (tool output and user text included, not only the assistant's
+    tokens), so the loss covers more slots; anchors storage refuses it; the config names
+    the key before any work, and the stage hash moves only when it is set."""
+    import dataclasses
+    from dlite.config import ConfigError
+    from dlite.data.anchors import candidate_anchors
+    from dlite.data.shards import encode_row
+    from dlite.train.data import resample, training_row
+    from pipelines.orchestration import dag
+    cfg, model, tok, rows = setup
+    seqs = [{k: r[k] for k in ("id", "part", "index", "input_ids", "loss_mask", "anchors")} for r in rows[:2]]
+    stored = _stored_rows(model, list(cfg.drafter.target_layer_ids), seqs, "full", "last_hidden")
+    manifest = {"storage_mode": "full", "reference": "last_hidden", "topk": 16, "gamma": 7,
+                "feature_dim": model.config.hidden_size * 2, "hidden_size": model.config.hidden_size}
+    raw = encode_row({**seqs[0], **{k: stored[0][k] for k in ("features", "ref_hidden")}})
+    asst, every = training_row(raw, manifest), training_row(raw, manifest, "all")
+    assert 0 < asst["loss_mask"].sum() < len(asst["input_ids"]) == every["loss_mask"].sum()
+    assert len(candidate_anchors(every["loss_mask"])) > len(candidate_anchors(asst["loss_mask"]))
+    drawn = resample(every, 64, 0, epoch=0)["anchors"]
+    assert any(not asst["loss_mask"][a] for a in drawn)  # anchors outside the replies now
+    _, m_a = compute_loss(_drafter(cfg, model, tok), collate([resample(asst, 64, 0, 0)]))
+    _, m_e = compute_loss(_drafter(cfg, model, tok), collate([resample(every, 64, 0, 0)]))
+    assert m_e["valid_slots"] > m_a["valid_slots"]
+    with pytest.raises(ValueError, match="full storage"):
+        training_row(raw, {**manifest, "storage_mode": "anchors"}, "all")
+    for bad, key in ((["train.supervise=tools"], "train.supervise"),
+                     (["train.supervise=all", "data.storage_mode=anchors"], "train.supervise")):
+        with pytest.raises(ConfigError, match=key):
+            load_config("configs/experiments/tiny.yaml", bad)
+    d = dag.BY_NAME["teacher"]
+    before = dataclasses.replace(d, keys=tuple(k for k in d.keys if k != "train.supervise"))
+    old = dag._stage_hash(cfg, before, {}, "t")  # the stage as hashed before the key existed
+    assert dag._stage_hash(cfg, d, {}, "t") == old
+    assert dag._stage_hash(OmegaConf.merge(cfg, {"train": {"supervise": "all"}}), d, {}, "t") != old
