@@ -110,11 +110,21 @@ def training(drafter: dict, report: dict) -> str:
     return "\n".join(lines)
 
 
+def lossless_label(m: dict) -> str:
+    """How a report row states losslessness to a reader: "yes" (token for token), "up to
+    ties" (it parted from plain decoding only where the target's own top two logits tie:
+    shape-dependent rounding, the rule for a bf16 target), "no", or "n/a"."""
+    strict, up_to_ties = m.get("lossless"), m.get("lossless_up_to_ties")
+    if strict is None:
+        return "n/a"
+    return "yes" if strict else "up to ties" if up_to_ties else "no"
+
+
 def _row(name: str, t: float, m: dict, labels: List[str], mark: bool) -> str:
     acc = " ".join(_num(a) for a in m.get("accept_at_k") or []) or "–"
     tb = m.get("tau_by_bucket") or {}
     buckets = ", ".join(f"{b} {_num(tb[b])}" for b in labels if b in tb) or "–"
-    lossless = {True: "yes", False: "**no**", None: "n/a"}.get(m.get("lossless"), "n/a")
+    lossless = {"no": "**no**"}.get(lossless_label(m), lossless_label(m))
     label = f"**{name}** (this)" if mark else name
     return (f"| {label} | {'greedy' if t == 0 else f'T={t:g}'} | {_num(m.get('tau'))} | "
             f"{_num(m.get('speedup_vs_ar'), '{:.2f}x')} | {acc} | {buckets} | {lossless} | "

@@ -117,3 +117,24 @@ def test_card_training_for_ablation_and_baseline():
     assert "teacher`: the history" not in ablation
     dspark = card_sections({**_r(2.0, 1.1), **cfg}, {**DRAFTER, "architecture": "dspark", "stage": "dspark"})
     assert dspark["How it was trained"].startswith("1. `dspark`: the DSpark-style baseline")
+
+
+def test_ties_are_shown_apart_from_strict_and_broken_losslessness():
+    """A bf16 target's own logit ties may part speculative from plain output: the card and
+    the results table say "up to ties" there, not a bare True/False."""
+    from dlite.card import lossless_label
+    from pipelines.orchestration.results import results_table
+    cases = {"yes": {"lossless": True, "lossless_up_to_ties": True},
+             "up to ties": {"lossless": False, "lossless_up_to_ties": True},
+             "no": {"lossless": False, "lossless_up_to_ties": False},
+             "n/a": {"lossless": None}}
+    assert {k: lossless_label(m) for k, m in cases.items()} == {k: k for k in cases}
+    assert lossless_label({"lossless": False}) == "no"  # a report from before ties were classified
+    tied = _r(2.0, 1.1, lossless=False)
+    tied["by_temperature"]["0.0"]["lossless_up_to_ties"] = True
+    card = model_card(DRAFTER, card_sections({"methods": {"dlite": tied}, "primary": "dlite", "config": CONFIG},
+                                             DRAFTER))
+    assert "| up to ties | 6 |" in card and "**no**" not in card
+    row = {"tau": 2.0, "speedup_vs_ar": 1.1, "tau_t1": None, "speedup_vs_ar_t1": None,
+           "lossless": False, "lossless_up_to_ties": True}
+    assert results_table({"evaluate": {"methods": {"dlite": row}}}).splitlines()[-1].endswith(" up to ties")
