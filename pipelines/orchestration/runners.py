@@ -34,11 +34,23 @@ def _no_teacher(cfg) -> dict:
     return {"train": {"skip_teacher": True, "steps_align": t.steps_teacher + t.steps_align}}
 
 
+def _drafter(deps: dict, stage: str) -> str:
+    """A finished input stage's drafter directory, re-checked before use (sha256 and size
+    against its config.json, `dlite.export.check_artifact`): the DAG reuses stages that
+    finished in earlier runs, whose files may have been truncated or altered since, and
+    a bad file should fail here, naming it, not inside a Ray task. The target needs no
+    comparison: the collection's hash already pins it for every stage downstream."""
+    from dlite.export import check_artifact
+    d = deps[stage]["drafter"]
+    check_artifact(d)
+    return d
+
+
 def _train(stage: str, label: str, overrides=None):
     def run(ctx, out: Path, deps: dict) -> dict:
         from pipelines.stages.train import train_stage
         cfg = OmegaConf.merge(ctx.cfg, overrides(ctx.cfg)) if overrides else ctx.cfg
-        teacher = deps["teacher"]["drafter"] if "teacher" in deps else None
+        teacher = _drafter(deps, "teacher") if "teacher" in deps else None
         s = train_stage(cfg, stage, deps["collect"]["shards"], str(out), teacher=teacher,
                         parent_run_id=ctx.parent_run_id, label=label)
         f = s["final"]
@@ -50,7 +62,7 @@ def _train(stage: str, label: str, overrides=None):
 
 def evaluate(ctx, out: Path, deps: dict) -> dict:
     from pipelines.stages.evaluate import evaluate_stage
-    drafters = {METHODS[s]: d["drafter"] for s, d in deps.items() if s in METHODS}
+    drafters = {METHODS[s]: _drafter(deps, s) for s in deps if s in METHODS}
     report = evaluate_stage(ctx.cfg, drafters, out, ctx.parent_run_id)
     # `lossless` stays strict; jobs.pipeline decides with `lossless_verdict` on these keys.
     return {"report": str(out / "report.json"), "lossless": report["lossless"],
@@ -71,7 +83,7 @@ def publish(ctx, out: Path, deps: dict) -> dict:
     import json
     from pipelines.stages.publish import publish as run_publish
     report = json.loads(Path(deps["evaluate"]["report"]).read_text())
-    return run_publish(ctx.cfg, deps["align"]["drafter"], report, parent_run_id=ctx.parent_run_id,
+    return run_publish(ctx.cfg, _drafter(deps, "align"), report, parent_run_id=ctx.parent_run_id,
                        method="dlite", output=str(out))
 
 

@@ -81,6 +81,27 @@ def test_a_good_artifact_passes_the_check(repo_root, good, tmp_path):
     assert "sha256 of model.safetensors ok; target fingerprint ok" in r.stdout
 
 
+@pytest.mark.parametrize("runner", ["align", "evaluate", "publish"])
+def test_a_pipeline_stage_rechecks_the_drafters_it_reuses(good, tmp_path, runner):
+    """Inside the DAG, a stage re-checks the drafter a finished input stage left (it may
+    have been reused from an earlier run and damaged since) before any work: the
+    truncated file is named, and nothing (no Ray, no MLflow run) is started."""
+    from dlite.export import ArtifactError
+    from pipelines.orchestration.dag import Context
+    from pipelines.orchestration.runners import RUNNERS
+    d, named = truncated(good, tmp_path)
+    stage = {"align": "teacher", "evaluate": "align", "publish": "align"}[runner]
+    deps = {stage: {"drafter": str(d)}, "collect": {"shards": str(tmp_path / "shards")},
+            "evaluate": {"report": str(tmp_path / "report.json")}}
+    (tmp_path / "report.json").write_text("{}")
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'runs'}", "cluster.address=127.0.0.1:1",
+                             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"])
+    with pytest.raises(ArtifactError) as err:
+        RUNNERS[runner](Context(cfg, "no-run", print), tmp_path / "out", deps)
+    assert all(n in str(err.value) for n in named), str(err.value)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "runs").exists()
+
+
 def test_a_crashed_ablation_run_is_marked_failed(tmp_path, monkeypatch):
     from pipelines.benchmarks import ablations
     from pipelines.common import tracking
