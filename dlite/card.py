@@ -103,28 +103,36 @@ def training(drafter: dict, report: dict) -> str:
                f"loss {_num(drafter.get('val_loss'), '{:.4f}')})"),
               (f"- data fingerprint (collection plan): `{drafter.get('data_plan_id')}`; "
                f"{data.get('n_train')} training trajectories, max {data.get('max_seq_len')} tokens, "
-               f"{data.get('anchors_per_seq')} anchors per sequence, reference `{data.get('reference')}`"),
+               f"{data.get('anchors_per_seq')} anchors per sequence, reference `{data.get('reference')}`, "
+               f"supervised positions `{train.get('supervise', 'assistant')}`"),
               (f"- optimiser: lr {train.get('lr')}, batch {train.get('batch_size')} x grad_accum "
                f"{train.get('grad_accum')}, warmup {train.get('warmup_frac')}, weight decay "
                f"{train.get('weight_decay')}, seed {seed}")]
     return "\n".join(lines)
 
 
-def lossless_label(m: dict) -> str:
-    """How a report row states losslessness to a reader: "yes" (token for token), "up to
-    ties" (it parted from plain decoding only where the target's own top two logits tie:
-    shape-dependent rounding, the rule for a bf16 target), "no", or "n/a"."""
+def lossless_label(m: dict, rule: Optional[str] = None) -> str:
+    """How a report row states losslessness to a reader, under its `lossless_rule` (the
+    row's own, else `rule`): "yes" (token for token); "up to ties" (it parted from plain
+    decoding only where the target's own top two logits tie -- shape-dependent rounding,
+    accepted for a low-precision target); "no (at ties only)" for the same under the
+    `exact` rule of an fp32 target, which the release gate refuses; "no"; or "n/a"."""
     strict, up_to_ties = m.get("lossless"), m.get("lossless_up_to_ties")
     if strict is None:
         return "n/a"
-    return "yes" if strict else "up to ties" if up_to_ties else "no"
+    if strict:
+        return "yes"
+    if not up_to_ties:
+        return "no"
+    return "no (at ties only)" if (m.get("lossless_rule") or rule) == "exact" else "up to ties"
 
 
 def _row(name: str, t: float, m: dict, labels: List[str], mark: bool) -> str:
     acc = " ".join(_num(a) for a in m.get("accept_at_k") or []) or "–"
     tb = m.get("tau_by_bucket") or {}
     buckets = ", ".join(f"{b} {_num(tb[b])}" for b in labels if b in tb) or "–"
-    lossless = {"no": "**no**"}.get(lossless_label(m), lossless_label(m))
+    label = lossless_label(m)
+    lossless = f"**{label}**" if label.startswith("no") else label
     label = f"**{name}** (this)" if mark else name
     return (f"| {label} | {'greedy' if t == 0 else f'T={t:g}'} | {_num(m.get('tau'))} | "
             f"{_num(m.get('speedup_vs_ar'), '{:.2f}x')} | {acc} | {buckets} | {lossless} | "

@@ -72,7 +72,9 @@ class TrainConfig:
     # generates at serving time) or "all" (every token with a next one: tool output, user
     # text, file contents too -- more copying to learn from). Needs data.storage_mode
     # "full" (anchors storage keeps features at assistant anchors only). Validation rows
-    # stay on assistant positions either way, so val_tau compares across the switch.
+    # stay on assistant positions either way, so val_tau compares across the switch, and
+    # the draft vocabulary is still counted on the replies (what the target generates
+    # when serving): under "all", tool and file tokens outside it count as out-of-vocabulary.
     supervise: str = "assistant"
     lr: float = 6e-4
     warmup_frac: float = 0.04

@@ -52,8 +52,9 @@ def parse(names: str, cfg=None) -> List[str]:
     sweep needs a configured draft vocabulary) and each named one is configured once
     here, so one that cannot apply fails before any work too."""
     if names.strip() == "all":
-        return [n for n in ABLATIONS if cfg is None or applies(cfg, n)]
-    out = [n.strip() for n in names.split(",") if n.strip()]
+        out = [n for n in ABLATIONS if cfg is None or applies(cfg, n)]
+    else:
+        out = [n.strip() for n in names.split(",") if n.strip()]
     bad = [n for n in out if n not in ABLATIONS]
     if bad:
         raise ValueError(f"--ablations: unknown {bad}; choose from {list(ABLATIONS)} or 'all'")
@@ -68,8 +69,15 @@ VOCAB_SWEEP = ("vocab_half", "vocab_double", "vocab_full", "vocab_prior_code")
 
 def why_not(cfg, name: str):
     """Why ablation `name` cannot apply to `cfg` (None when it can): the vocabulary sweep
-    needs a configured draft vocabulary, and a prior ablation that the config already
-    uses would only retrain the benchmark's own drafter."""
+    needs a configured draft vocabulary, supervising every position needs full storage,
+    and an ablation whose setting the config already has would only retrain the
+    benchmark's own drafter."""
+    if name == "supervise_all":
+        if cfg.train.supervise == "all":
+            return "this config already sets train.supervise=all"
+        if cfg.data.storage_mode != "full":
+            return f"needs data.storage_mode=full (this config stores {cfg.data.storage_mode!r})"
+        return None
     if name not in VOCAB_SWEEP:
         return None
     if cfg.drafter.draft_vocab_size is None:

@@ -21,7 +21,7 @@ def results_table(results: Dict[str, dict]) -> str:
             f"{'plain decoding':<18} {'1.00':>6} {'1.00':>8} {'1.00':>8} {'1.00':>11} -"]
     for name, m in ev["methods"].items():
         rows.append(f"{name:<18} {_fmt(m['tau']):>6} {_fmt(m['speedup_vs_ar']):>8} {_fmt(m['tau_t1']):>8} "
-                    f"{_fmt(m['speedup_vs_ar_t1']):>11} {lossless_label(m)}")
+                    f"{_fmt(m['speedup_vs_ar_t1']):>11} {lossless_label(m, ev.get('lossless_rule'))}")
     return "\n".join(rows)
 
 

@@ -164,6 +164,10 @@ def test_anchor_shards_train_the_student_only(setup, tmp_path):
     collect(cfg, "builtin:train", str(tmp_path / "anchors"))
     with pytest.raises(TrainError, match="storage_mode 'anchors'.*data.storage_mode=full"):
         train_stage(cfg, "teacher", str(tmp_path / "anchors"), str(tmp_path / "t"))
+    every = load_config("configs/experiments/tiny.yaml", [*over, "train.skip_teacher=true", "train.supervise=all"])
+    with pytest.raises(TrainError, match="train.supervise='all'.*data.storage_mode=full"):
+        train_stage(every, "align", str(tmp_path / "anchors"), str(tmp_path / "e"))
+    assert not (tmp_path / "e").exists()
     skip = load_config("configs/experiments/tiny.yaml", [*over, "train.skip_teacher=true"])
     done = train_stage(skip, "align", str(tmp_path / "anchors"), str(tmp_path / "a"))
     assert done["final"]["global_steps"] == 3 and 1.0 <= done["best"]["val_tau"] <= 8.0

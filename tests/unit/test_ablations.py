@@ -76,3 +76,15 @@ def test_vocabulary_sweep_needs_a_configured_draft_vocabulary():
         ablations.ablation_config(tiny, "vocab_prior_code", 1536)
     assert ablations.ablation_config(smol, "vocab_double", 1536).drafter.draft_vocab_size == 16384
     assert ablations.ablation_config(smol, "vocab_full", 1536).drafter.draft_vocab_size is None
+
+
+def test_supervise_all_applies_only_where_it_changes_something():
+    tiny = load_config("configs/experiments/tiny.yaml")
+    assert "supervise_all" in ablations.parse("all", tiny)
+    assert ablations.ablation_config(tiny, "supervise_all", 1536).train.supervise == "all"
+    for over, why in ((["train.supervise=all"], "already sets train.supervise=all"),
+                      (["data.storage_mode=anchors"], "needs data.storage_mode=full")):
+        cfg = load_config("configs/experiments/tiny.yaml", over)
+        assert "supervise_all" not in ablations.parse("all", cfg)
+        with pytest.raises(ValueError, match=f"supervise_all: .*{why}"):
+            ablations.parse("supervise_all", cfg)

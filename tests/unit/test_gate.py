@@ -104,6 +104,7 @@ def test_card_has_the_evaluation_table_against_other_methods():
     for needle in ("## What it drafts for", "`w-t`", "trained on agent trajectories from the built-in",
                    "1. `teacher`: the history-aware teacher against the target, 10 steps",
                    "distilling it for 10 steps", "data fingerprint (collection plan): `plan-abc`",
+                   "supervised positions `assistant`",
                    "step 20 (best validation tau 2.25", "on 4 held-out", "load_drafter(",
                    'download_artifacts("models:/dlite-tiny@production")'):
         assert needle in card, needle
@@ -130,6 +131,10 @@ def test_ties_are_shown_apart_from_strict_and_broken_losslessness():
              "n/a": {"lossless": None}}
     assert {k: lossless_label(m) for k, m in cases.items()} == {k: k for k in cases}
     assert lossless_label({"lossless": False}) == "no"  # a report from before ties were classified
+    tie_only = cases["up to ties"]  # an fp32 target's rule is exact: the gate refuses it
+    assert lossless_label(tie_only, "exact") == lossless_label({**tie_only, "lossless_rule": "exact"}) \
+        == "no (at ties only)"
+    assert lossless_label(tie_only, "up_to_ties(bf16)") == "up to ties"
     tied = _r(2.0, 1.1, lossless=False)
     tied["by_temperature"]["0.0"]["lossless_up_to_ties"] = True
     card = model_card(DRAFTER, card_sections({"methods": {"dlite": tied}, "primary": "dlite", "config": CONFIG},
@@ -138,3 +143,5 @@ def test_ties_are_shown_apart_from_strict_and_broken_losslessness():
     row = {"tau": 2.0, "speedup_vs_ar": 1.1, "tau_t1": None, "speedup_vs_ar_t1": None,
            "lossless": False, "lossless_up_to_ties": True}
     assert results_table({"evaluate": {"methods": {"dlite": row}}}).splitlines()[-1].endswith(" up to ties")
+    exact = {"evaluate": {"methods": {"dlite": row}, "lossless_rule": "exact"}}
+    assert results_table(exact).splitlines()[-1].endswith(" no (at ties only)")
