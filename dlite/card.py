@@ -127,12 +127,12 @@ def lossless_label(m: dict, rule: Optional[str] = None) -> str:
     return "no (at ties only)" if (m.get("lossless_rule") or rule) == "exact" else "up to ties"
 
 
-def _row(name: str, t: float, m: dict, labels: List[str], mark: bool) -> str:
+def _row(name: str, t: float, m: dict, labels: List[str], mark: bool, rule: Optional[str]) -> str:
     acc = " ".join(_num(a) for a in m.get("accept_at_k") or []) or "–"
     tb = m.get("tau_by_bucket") or {}
     buckets = ", ".join(f"{b} {_num(tb[b])}" for b in labels if b in tb) or "–"
-    label = lossless_label(m)
-    lossless = f"**{label}**" if label.startswith("no") else label
+    verdict = lossless_label(m, rule)
+    lossless = f"**{verdict}**" if verdict.startswith("no") else verdict
     label = f"**{name}** (this)" if mark else name
     return (f"| {label} | {'greedy' if t == 0 else f'T={t:g}'} | {_num(m.get('tau'))} | "
             f"{_num(m.get('speedup_vs_ar'), '{:.2f}x')} | {acc} | {buckets} | {lossless} | "
@@ -146,7 +146,8 @@ def evaluation(report: dict, method: str) -> str:
     for name in order:
         r = methods[name]
         labels = list(r.get("bucket_labels") or sorted(r.get("tau_by_bucket") or {}))
-        rows += [_row(name, t, m, labels, name == method) for t, m in by_temperature(r)]
+        rule = r.get("lossless_rule") or report.get("lossless_rule")  # per-temperature rows lack it
+        rows += [_row(name, t, m, labels, name == method, rule) for t, m in by_temperature(r)]
     n = (report.get("config") or {}).get("eval", {}).get("n_trajectories")
     head = (f"Speculative decoding against the real target on {n if n is not None else 'the'} held-out "
             "trajectories, every method on the same prompts. tau = tokens per target forward "

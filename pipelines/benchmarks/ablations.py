@@ -48,9 +48,9 @@ STAGES = ["collect", "teacher", "align", "evaluate"]
 
 def parse(names: str, cfg=None) -> List[str]:
     """`all` or a comma list of ABLATIONS keys; unknown names fail before any work. With
-    the benchmark's `cfg`: `all` keeps the ablations that apply to it (the vocabulary
-    sweep needs a configured draft vocabulary) and each named one is configured once
-    here, so one that cannot apply fails before any work too."""
+    the benchmark's `cfg`: `all` keeps the ablations that apply to it (`why_not`) and
+    every one kept is configured once here, so one that cannot apply, or whose config
+    would not validate, fails before any work."""
     if names.strip() == "all":
         out = [n for n in ABLATIONS if cfg is None or applies(cfg, n)]
     else:
@@ -65,27 +65,23 @@ def parse(names: str, cfg=None) -> List[str]:
 
 # The ablations that vary a configured draft vocabulary (its N or its prior).
 VOCAB_SWEEP = ("vocab_half", "vocab_double", "vocab_full", "vocab_prior_code")
+# The override that makes an ablation what it is: a config already set that way would
+# only retrain the benchmark's own drafter.
+DECIDING_KEY = {"vocab_prior_code": "drafter.draft_vocab_prior", "supervise_all": "train.supervise"}
 
 
 def why_not(cfg, name: str):
     """Why ablation `name` cannot apply to `cfg` (None when it can): the vocabulary sweep
-    needs a configured draft vocabulary, supervising every position needs full storage,
-    and an ablation whose setting the config already has would only retrain the
-    benchmark's own drafter."""
-    if name == "supervise_all":
-        if cfg.train.supervise == "all":
-            return "this config already sets train.supervise=all"
-        if cfg.data.storage_mode != "full":
-            return f"needs data.storage_mode=full (this config stores {cfg.data.storage_mode!r})"
-        return None
-    if name not in VOCAB_SWEEP:
-        return None
-    if cfg.drafter.draft_vocab_size is None:
+    needs a configured draft vocabulary, an ablation whose deciding setting the config
+    already has changes nothing, and supervising every position needs full storage."""
+    if name in VOCAB_SWEEP and cfg.drafter.draft_vocab_size is None:
         return ("varies the draft vocabulary, but this config leaves drafter.draft_vocab_size "
                 "null (the full vocabulary)")
-    prior = ABLATIONS[name][0].get("drafter.draft_vocab_prior")
-    if prior is not None and cfg.drafter.draft_vocab_prior == prior:
-        return f"this config already sets drafter.draft_vocab_prior={prior}"
+    key = DECIDING_KEY.get(name)
+    if key is not None and OmegaConf.select(cfg, key) == ABLATIONS[name][0][key]:
+        return f"this config already sets {key}={ABLATIONS[name][0][key]}"
+    if name == "supervise_all" and cfg.data.storage_mode != "full":
+        return f"needs data.storage_mode=full (this config stores {cfg.data.storage_mode!r})"
     return None
 
 
@@ -100,8 +96,9 @@ def ablation_config(cfg, name: str, window: int):
     window is `data.max_seq_len`."""
     from dlite.config import validate
     from pipelines.benchmarks.settings import bench_config
-    if why_not(cfg, name):
-        raise ValueError(f"--ablations {name}: {why_not(cfg, name)}")
+    why = why_not(cfg, name)
+    if why:
+        raise ValueError(f"--ablations {name}: {why}")
     over = dict(ABLATIONS[name][0])
     window = over.pop("window", window)
     if "draft_vocab" in over:  # the swept N: a factor of the configured N (None: full)

@@ -8,6 +8,8 @@ from typing import Dict, List
 
 from dlite.card import lossless_label
 from pipelines.common import tracking
+
+
 def _fmt(v, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 

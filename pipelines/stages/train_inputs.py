@@ -54,13 +54,12 @@ def check_inputs(cfg, plan: st.StagePlan, input_uri: str, teacher: Optional[str]
     for flag, uri, mode in (("--input", input_uri, m["storage_mode"]),
                             ("--heldout", heldout, held["storage_mode"])):
         why = require_full(plan) if mode == "anchors" else None
+        # Held-out rows are validated on the replies whatever train.supervise says.
+        if mode == "anchors" and not why and flag == "--input" and cfg.train.supervise != "assistant":
+            why = f"train.supervise={cfg.train.supervise!r} trains on every position"
         if why:
             raise TrainError(f"{flag} {uri}: storage_mode 'anchors' keeps features at the sampled "
                              f"anchors only, but {why}; collect with data.storage_mode=full")
-    if cfg.train.supervise != "assistant" and m["storage_mode"] == "anchors":
-        raise TrainError(f"--input {input_uri}: storage_mode 'anchors' keeps the assistant's anchors "
-                         f"only, but train.supervise={cfg.train.supervise!r} trains on every position; "
-                         f"collect with data.storage_mode=full")
     # Manifests written before target.dtype existed were all collected in float32.
     if m.get("target_dtype", "float32") != cfg.target.dtype:
         raise TrainError(f"target.dtype {cfg.target.dtype!r} but the shards were collected with the "

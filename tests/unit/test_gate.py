@@ -140,6 +140,9 @@ def test_ties_are_shown_apart_from_strict_and_broken_losslessness():
     card = model_card(DRAFTER, card_sections({"methods": {"dlite": tied}, "primary": "dlite", "config": CONFIG},
                                              DRAFTER))
     assert "| up to ties | 6 |" in card and "**no**" not in card
+    exact_card = model_card(DRAFTER, card_sections(  # fp32: the method's rule reaches every row
+        {"methods": {"dlite": {**tied, "lossless_rule": "exact"}}, "primary": "dlite", "config": CONFIG}, DRAFTER))
+    assert "| **no (at ties only)** | 6 |" in exact_card
     row = {"tau": 2.0, "speedup_vs_ar": 1.1, "tau_t1": None, "speedup_vs_ar_t1": None,
            "lossless": False, "lossless_up_to_ties": True}
     assert results_table({"evaluate": {"methods": {"dlite": row}}}).splitlines()[-1].endswith(" up to ties")
