@@ -159,6 +159,24 @@ def evaluation(report: dict, method: str) -> str:
     return head + "\n" + "\n".join(rows)
 
 
+def speed_conditions(report: dict, method: str) -> str:
+    """Where and how the speedup was measured, and the figure the release gate reads: a
+    block verification saves more on a machine whose plain decoding is slower, and load
+    moves it too, so the number is only meaningful with its spread and its machine."""
+    m, t = report_methods(report)[method], report.get("timing") or {}
+    sp = m.get("speedup_vs_ar_spread") or {}
+    if not sp.get("n_pairs"):
+        return "Speed: no timed pairs in this report."
+    where = (f"{t.get('cpu_model', 'an unrecorded machine')} ({t.get('device', 'cpu')}, {t.get('cpu_count', '?')} cores, "
+             f"{t.get('torch_threads', '?')} torch threads, 1-min load {t.get('loadavg_1m_before', '?')} -> "
+             f"{t.get('loadavg_1m_after', '?')})") if t else "an unrecorded machine"
+    return (f"Speed measured on {where}; plain decoding {_num(t.get('plain_tokens_per_s'), '{:.1f}')} tokens/s. "
+            f"Speedup {_num(m.get('speedup_vs_ar'), '{:.2f}x')} over {sp['n_pairs']} interleaved plain/speculative "
+            f"pairs (per pair {_num(sp.get('min'), '{:.2f}')}-{_num(sp.get('max'), '{:.2f}x')}); lower bound "
+            f"**{_num(sp.get('lower_bound'), '{:.2f}x')}** ({sp.get('lower_bound_method')}), which the release gate "
+            "decides on. Other machines will differ: rerun the evaluation where the drafter will serve.")
+
+
 def how_to_load(report: dict, registered_model: Optional[str]) -> str:
     target = (report.get("config") or {}).get("target") or {}
     spec = {"name": target.get("name", "<name>"), "path": target.get("path", "<target dir or hub id>")}
@@ -181,6 +199,6 @@ def card_sections(report: dict, drafter: dict, method: Optional[str] = None,
     method = primary_method(report, method)
     return {"What it drafts for": intended_use(drafter, report),
             "How it was trained": training(drafter, report),
-            "Evaluation": evaluation(report, method),
+            "Evaluation": evaluation(report, method) + "\n\n" + speed_conditions(report, method),
             "How to load": how_to_load(report, registered_model)}
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from dlite.data.anchors import reference_positions
-from dlite.decoding.capture import decoder_layers
+from dlite.target.layers import decoder_layers
 
 
 class TargetFeatures:

@@ -18,13 +18,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer list of a HF causal LM (`model.model.layers`)."""
-    inner = getattr(model, "model", model)
-    if not hasattr(inner, "layers"):
-        raise AttributeError(f"{type(model).__name__} has no .model.layers to hook")
-    return inner.layers
+from dlite.target.layers import decoder_layers
 
 
 class LayerCapture:

@@ -8,6 +8,8 @@ or the token budget cut the round's output short; speed metrics count only token
 actually emitted. Undefined values (no rounds, no time) are None, never NaN, so
 reports stay valid JSON."""
 
+import random
+import statistics
 from typing import Callable, Dict, List, Optional, Sequence
 
 DEFAULT_BUCKETS = (1024, 4096, 16384)
@@ -84,6 +86,36 @@ def tokens_per_s(n_tokens: int, ms: float) -> Optional[float]:
 def speedup_vs_ar(spec_tps: Optional[float], plain_tps: Optional[float]) -> Optional[float]:
     """Speculative tokens/s over plain tokens/s (same target, prompts and run)."""
     return spec_tps / plain_tps if spec_tps and plain_tps else None
+
+
+# Resamples and seed of the speedup's bootstrap: fixed, so one set of pairs always gives
+# the same lower bound (the release gate must not flip on a rerun of the arithmetic).
+BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, LOWER_QUANTILE = 2000, 0, 0.05
+
+
+def _pooled(pairs: Sequence[tuple]) -> Optional[float]:
+    """Pooled speedup over (spec_tokens, spec_ms, plain_tokens, plain_ms) pairs."""
+    cols = [sum(p[i] for p in pairs) for i in range(4)]
+    return speedup_vs_ar(tokens_per_s(cols[0], cols[1]), tokens_per_s(cols[2], cols[3]))
+
+
+def speedup_spread(pairs: Sequence[tuple]) -> dict:
+    """The speedup's spread over interleaved plain/speculative timing pairs (one per timed
+    task): per-pair ratios, min / median / max, and a one-sided lower bound -- the 5th
+    percentile of the pooled ratio over bootstrap resamples of the pairs. Fewer than 3
+    pairs cannot say how noisy the machine is: the bound is then the smallest pair."""
+    ratios = [r for p in pairs if (r := _pooled([p])) is not None]
+    out = {"n_pairs": len(ratios), "per_pair": [round(r, 4) for r in ratios], "pooled": _pooled(pairs)}
+    if not ratios:
+        return {**out, "min": None, "median": None, "max": None, "lower_bound": None, "lower_bound_method": None}
+    out.update(min=min(ratios), median=statistics.median(ratios), max=max(ratios))
+    if len(ratios) < 3:
+        return {**out, "lower_bound": min(ratios), "lower_bound_method": "min over < 3 pairs"}
+    rng, good = random.Random(BOOTSTRAP_SEED), [p for p in pairs if _pooled([p]) is not None]
+    boot = sorted(_pooled([rng.choice(good) for _ in good]) for _ in range(BOOTSTRAP_RESAMPLES))
+    return {**out, "lower_bound": boot[int(LOWER_QUANTILE * len(boot))],
+            "lower_bound_method": f"bootstrap p{LOWER_QUANTILE * 100:g} of the pooled ratio, "
+                                  f"{BOOTSTRAP_RESAMPLES} resamples of the pairs, seed {BOOTSTRAP_SEED}"}
 
 
 def summarize_rounds(rounds: List[dict], gamma: int,

@@ -74,6 +74,7 @@ def evaluate(ctx, out: Path, deps: dict) -> dict:
 def _headline(m: dict) -> dict:
     t1 = next((r for t, r in m["by_temperature"].items() if float(t) > 0), None)
     return {"tau": m["tau"], "speedup_vs_ar": m["speedup_vs_ar"], "lossless": m["lossless"],
+            "speedup_vs_ar_lower": m.get("speedup_vs_ar_lower"),
             "lossless_up_to_ties": m.get("lossless_up_to_ties"),
             "tau_t1": t1 and t1["tau"], "speedup_vs_ar_t1": t1 and t1["speedup_vs_ar"],
             "tau_by_bucket": m["tau_by_bucket"]}

@@ -35,19 +35,34 @@ from pipelines.common.ray_cluster import init_ray
 # The order methods are listed, plotted and picked as primary in.
 METHOD_ORDER = ("dlite", "dlite_no_teacher", "teacher", "dspark")
 # Taken from the dedicated speed replay, not from the parallel acceptance replay.
-SPEED_KEYS = ("speedup_vs_ar", "speedup_vs_ar_e2e", "speedup_vs_ar_by_bucket", "tokens_per_s", "time_split")
+SPEED_KEYS = ("speedup_vs_ar", "speedup_vs_ar_e2e", "speedup_vs_ar_by_bucket", "tokens_per_s", "time_split",
+              "speedup_vs_ar_spread", "speedup_vs_ar_lower")
 REPORT = "report.json"
+QUARANTINE_LISTED = 200  # quarantine entries the report lists (all are counted)
+
+
+def heldout_set(cfg) -> tuple:
+    """(the evaluation records, the held-out counts for the report): `data.heldout_path`
+    in any format collection reads (`dlite.data.heldout`: unusable records quarantined
+    with a reason, `read = used + quarantined`), or the built-in held-out split."""
+    n = cfg.eval.n_trajectories
+    if cfg.data.heldout_path:
+        from dlite.data.heldout import read_heldout
+        records, counts, bad = read_heldout(cfg.data.heldout_path, n, cfg.data.keep_reasoning)
+        if not records:
+            raise ValueError(f"data.heldout_path {cfg.data.heldout_path}: no usable record "
+                             f"({counts['read']} read, quarantined {counts['reasons'] or 'none'})")
+        return records, {"path": str(cfg.data.heldout_path), **counts, "quarantine": bad[:QUARANTINE_LISTED]}
+    from dlite.corpus import trajectories as corpus
+    lo, hi = cfg.eval.min_chars or cfg.data.min_chars, cfg.eval.max_chars or cfg.data.max_chars
+    records = list(corpus.generate("heldout", n, cfg.run.seed, lo, hi))
+    return records, {"path": "builtin:heldout", "read": len(records), "used": len(records),
+                     "quarantined": 0, "reasons": {}, "quarantine": []}
 
 
 def heldout_records(cfg) -> list:
-    """The evaluation trajectories: `data.heldout_path` JSONL, or the built-in held-out split."""
-    n = cfg.eval.n_trajectories
-    if cfg.data.heldout_path:
-        lines = Path(cfg.data.heldout_path).read_text().splitlines()
-        return [json.loads(x) for x in lines if x.strip()][:n]
-    from dlite.corpus import trajectories as corpus
-    lo, hi = cfg.eval.min_chars or cfg.data.min_chars, cfg.eval.max_chars or cfg.data.max_chars
-    return list(corpus.generate("heldout", n, cfg.run.seed, lo, hi))
+    """The evaluation trajectories (`heldout_set` without the counts)."""
+    return heldout_set(cfg)[0]
 
 
 def _artifact(drafter_dir) -> tuple:
@@ -90,6 +105,32 @@ def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, tempera
     return replay_methods(model, tok, builders, records, cfg.eval, temperatures, timed)[0]
 
 
+def _timed_replay(cfg_dict: dict, drafters: Dict[str, str], records: list, temperatures: list,
+                  threads: int) -> tuple:
+    """The speed worker: `_replay_all` timed, and where it ran -- the machine's load
+    before and after (1-minute load average), cores, torch threads, CPU model: how much
+    a verification saves depends on the machine and what else it runs, so a speedup is
+    reported with the conditions it was measured in."""
+    import os
+    import platform
+    import torch
+    before = os.getloadavg()[0]
+    speed = _replay_all(cfg_dict, drafters, records, temperatures, threads, timed=True)
+    return speed, {"loadavg_1m_before": round(before, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2),
+                   "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                   "cpu_model": _cpu_model() or platform.processor() or platform.machine(),
+                   "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                   "host": platform.node()}
+
+
+def _cpu_model():
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), None)
+
+
 def _method_report(cfg, name: str, parts: list, speed: dict, temperatures: list) -> dict:
     from dlite.decoding.replay import aggregate, resolve_args
     from dlite.decoding.ties import lossless_rule
@@ -125,31 +166,37 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
         raise ValueError(f"evaluate: drafter name(s) {sorted(clash)} are eval.context_vocab / "
                          f"eval.baselines / eval.hybrids methods too: name the drafter otherwise (NAME=DIR)")
     _check_dtype(cfg, drafters)
-    records, temps = heldout_records(cfg), sorted({float(t) for t in cfg.eval.temperatures})
+    (records, heldout), temps = heldout_set(cfg), sorted({float(t) for t in cfg.eval.temperatures})
     n = min(cfg.eval.num_workers or cfg.cluster.num_workers, len(records))
     init_ray(cfg)
     conf = OmegaConf.to_container(cfg, resolve=True)
     gpus = cfg.cluster.gpus_per_worker if cfg.cluster.use_gpu else 0
     task = ray.remote(num_cpus=1, num_gpus=gpus)(_replay_all)
     extra = [*ctx, *cfg.eval.baselines, *cfg.eval.hybrids]
+    if heldout["quarantined"]:
+        print(f"[evaluate] held-out {heldout['path']}: {heldout['read']} read, {heldout['used']} used, "
+              f"{heldout['quarantined']} quarantined {heldout['reasons']}", flush=True)
     print(f"[evaluate] {len(drafters)} drafters{' + ' + ', '.join(extra) if extra else ''} x "
           f"{len(records)} trajectories x T={temps} on {n} workers, then speed on 1 worker", flush=True)
     parts = ray.get([task.remote(conf, drafters, records[i::n], temps) for i in range(n)])
-    speed = ray.get(task.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps, cfg.eval.threads,
-                                timed=True))
+    timer = ray.remote(num_cpus=1, num_gpus=gpus)(_timed_replay)
+    speed, timing = ray.get(timer.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps,
+                                         cfg.eval.threads))
     names = [*drafters, *ctx, *cfg.eval.baselines, *cfg.eval.hybrids]  # as `method_builders` orders them
     methods = {name: {**_method_report(cfg, name, parts, speed, temps), "drafter": drafters.get(name)}
                for name in names}
     primary = next(iter(methods))
     keep = ("tau", "accept_at_k", "tau_by_bucket", "accept_at_k_by_bucket", "speedup_vs_ar",
             "speedup_vs_ar_by_bucket", "draft_ms_by_bucket", "draft_cache_bytes_by_bucket",
-            "time_split", "lossless", "bucket_labels", "gamma")
+            "time_split", "lossless", "bucket_labels", "gamma", "speedup_vs_ar_lower", "speedup_vs_ar_spread")
     return {"methods": methods, "primary": primary, **{k: methods[primary][k] for k in keep},
             "lossless": all(m["lossless"] for m in methods.values()),
             "lossless_up_to_ties": all(m["lossless_up_to_ties"] for m in methods.values()),
             "lossless_rule": lossless_rule(cfg.target.dtype),
             "plain": {"tokens_per_s": methods[primary]["tokens_per_s"]["plain"]},
-            "n_trajectories": len(records), "target_fingerprint": tgt.fingerprint(cfg.target),
+            "timing": {**timing, "plain_tokens_per_s": methods[primary]["tokens_per_s"]["plain"],
+                       "pairs": methods[primary]["speedup_vs_ar_spread"]["n_pairs"]},
+            "n_trajectories": len(records), "heldout": heldout, "target_fingerprint": tgt.fingerprint(cfg.target),
             "config": conf, "env": env_info()}
 
 
@@ -190,13 +237,16 @@ def metric_items(report: dict) -> dict:
     for name, m in report["methods"].items():
         for t, r in m["by_temperature"].items():
             pre = f"{name}.{'greedy' if float(t) == 0 else 't' + format(float(t), 'g')}"
-            for k in ("tau", "speedup_vs_ar", "speedup_vs_ar_e2e", "draft_vocab_coverage"):
+            for k in ("tau", "speedup_vs_ar", "speedup_vs_ar_lower", "speedup_vs_ar_e2e", "draft_vocab_coverage"):
                 if r.get(k) is not None:
                     out[f"{pre}.{k}"] = r[k]
             out.update({f"{pre}.accept_at_k.{i + 1}": v for i, v in enumerate(r["accept_at_k"]) if v is not None})
             out.update({f"{pre}.tau_by_bucket.{metric_label(b)}": v for b, v in r["tau_by_bucket"].items() if v is not None})
         out[f"{name}.lossless"] = float(bool(m["lossless"]))
         out[f"{name}.lossless_up_to_ties"] = float(bool(m.get("lossless_up_to_ties", m["lossless"])))
+    for k in ("loadavg_1m_before", "loadavg_1m_after", "plain_tokens_per_s", "torch_threads"):
+        if (report.get("timing") or {}).get(k) is not None:  # the conditions the speed was timed in
+            out[f"timing.{k}"] = float(report["timing"][k])
     return out
 
 

@@ -66,6 +66,12 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
     assert rep["methods"]["prompt_lookup"]["drafted"] < 7 and rep["methods"]["dlite"]["drafted"] == 7
     assert rep["tau"] == rep["methods"]["dlite"]["tau"] and rep["lossless"] is True
     assert rep["config"]["drafter"]["gamma"] == 7 and rep["env"]["torch"]
+    assert {k: rep["heldout"][k] for k in ("path", "read", "used", "quarantined")} == \
+        {"path": "builtin:heldout", "read": 2, "used": 2, "quarantined": 0}
+    spread = rep["methods"]["dlite"]["speedup_vs_ar_spread"]  # one pair per timed task
+    assert spread["n_pairs"] == 3 and spread["min"] <= spread["lower_bound"] <= spread["pooled"] <= spread["max"]
+    assert rep["speedup_vs_ar_lower"] == spread["lower_bound"] and rep["timing"]["pairs"] == 3
+    assert rep["timing"]["plain_tokens_per_s"] > 0 and rep["timing"]["cpu_count"] >= 1
     assert (out.parent / "report-accept_at_k.png").read_bytes()[:4] == b"\x89PNG"
 
     from mlflow import MlflowClient

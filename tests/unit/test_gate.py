@@ -60,13 +60,33 @@ def test_metric_tags_round_trip():
     assert tags["dlite.metric.tau"] == "2.5" and tags["dlite.metric.tau_T1"] == "2.0"
     assert tags["dlite.metric.accept_at_k"] == "[0.9, 0.6, null]" and "dlite.metric.lossless_T1" not in tags
     # A report without ties classified (as versions registered before them): None, strict.
-    assert tagged_metrics(tags) == {"tau": 2.5, "speedup_vs_ar": 1.4, "lossless": True,
-                                    "lossless_up_to_ties": None}
+    assert tagged_metrics(tags) == {"tau": 2.5, "speedup_vs_ar": 1.4, "speedup_vs_ar_lower": None,
+                                    "lossless": True, "lossless_up_to_ties": None}
     r = _r(2.5, 1.4, lossless=False)
     r["by_temperature"]["0.0"]["lossless_up_to_ties"] = True
     tied = metric_tags(r)
     assert tagged_metrics(tied)["lossless_up_to_ties"] is True and tagged_metrics(tied)["lossless"] is False
-    assert tagged_metrics({}) == {"tau": None, "speedup_vs_ar": None, "lossless": None, "lossless_up_to_ties": None}
+    assert tagged_metrics({}) == {"tau": None, "speedup_vs_ar": None, "speedup_vs_ar_lower": None,
+                                  "lossless": None, "lossless_up_to_ties": None}
+
+
+def test_gate_decides_on_the_speedups_lower_bound():
+    """A point speedup over the floor whose timing pairs' lower bound is under it is
+    refused: one lucky machine or a noisy run does not promote a drafter."""
+    from dlite.decoding.metrics import speedup_spread
+    noisy = speedup_spread([(47, 1000, 47, 1300), (47, 1000, 47, 800), (47, 1000, 47, 1250), (47, 1000, 47, 900)])
+    assert noisy["pooled"] > 1.0 > noisy["lower_bound"] and noisy["n_pairs"] == 4
+    assert noisy["min"] <= noisy["median"] <= noisy["max"] and noisy["lower_bound"] >= noisy["min"]
+    metrics = {"tau": 2.0, "speedup_vs_ar": noisy["pooled"], "speedup_vs_ar_lower": noisy["lower_bound"],
+               "lossless": True}
+    g = release_gate(metrics, None, **GATE)
+    assert not g["passed"] and g["reasons"][0].startswith("speedup_vs_ar_lower >= gate.min_speedup: 0.")
+    steady = speedup_spread([(47, 1000, 47, 1200), (47, 1000, 47, 1250), (47, 1000, 47, 1180)])
+    assert release_gate({**metrics, "speedup_vs_ar_lower": steady["lower_bound"]}, None, **GATE)["passed"]
+    assert speedup_spread([(47, 1000, 47, 1200)])["lower_bound_method"] == "min over < 3 pairs"
+    r = _r(2.0, 1.1)
+    r["by_temperature"]["0.0"]["speedup_vs_ar_lower"] = 0.97
+    assert tagged_metrics(metric_tags(r))["speedup_vs_ar_lower"] == 0.97
 
 
 def test_report_methods_and_primary():
@@ -148,3 +168,20 @@ def test_ties_are_shown_apart_from_strict_and_broken_losslessness():
     assert results_table({"evaluate": {"methods": {"dlite": row}}}).splitlines()[-1].endswith(" up to ties")
     exact = {"evaluate": {"methods": {"dlite": row}, "lossless_rule": "exact"}}
     assert results_table(exact).splitlines()[-1].endswith(" no (at ties only)")
+
+
+def test_card_says_where_the_speed_was_measured_and_the_gates_figure():
+    from dlite.decoding.metrics import speedup_spread
+    r = _r(2.5, 1.2)
+    r["speedup_vs_ar_spread"] = speedup_spread([(47, 1000, 47, 1150), (47, 1000, 47, 1250), (47, 1000, 47, 1200)])
+    report = {"methods": {"dlite": r}, "primary": "dlite", "config": CONFIG,
+              "timing": {"cpu_model": "Some CPU @ 2GHz", "device": "cpu", "cpu_count": 2, "torch_threads": 2,
+                         "loadavg_1m_before": 0.4, "loadavg_1m_after": 1.9, "plain_tokens_per_s": 10.4}}
+    text = card_sections(report, DRAFTER)["Evaluation"]
+    low = r["speedup_vs_ar_spread"]["lower_bound"]
+    for needle in ("Some CPU @ 2GHz (cpu, 2 cores, 2 torch threads, 1-min load 0.4 -> 1.9)",
+                   "plain decoding 10.4 tokens/s", "over 3 interleaved plain/speculative pairs",
+                   "per pair 1.15-1.25x", f"lower bound **{low:.2f}x**", "which the release gate decides on"):
+        assert needle in text, needle
+    assert "no timed pairs" in card_sections({"methods": {"dlite": _r(2.5, 1.2)}, "primary": "dlite",
+                                              "config": CONFIG}, DRAFTER)["Evaluation"]
