@@ -19,20 +19,28 @@ always passes a negative count, which both major versions understand.
 (cache, last logits, captured features); `speculative_generate` / `plain_generate` take
 it as `prefilled=` and start from a copy of its cache, so an evaluation replays many
 methods on one history with one prefill (at 4K tokens a SmolLM2 prefill costs ~11 s on
-2 cores, ~200 decode steps)."""
+2 cores, ~200 decode steps).
+
+transformers is imported where a DynamicCache is made, not at module load: a target
+that makes its own cache (`new_cache()`: the torch-only Qwen3 of `dlite.bench.qwen3`)
+decodes through this loop where transformers is not installed (`dlite.bench.device`)."""
+
+from __future__ import annotations
 
 import copy
 import dataclasses
 import functools
 import inspect
 import time
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from transformers import DynamicCache
 
 from dlite.decoding.capture import LayerCapture
 from dlite.decoding.verify import sample_token, verify_block
+
+if TYPE_CHECKING:  # annotations only: the import itself happens in new_cache
+    from transformers import DynamicCache
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,6 +50,12 @@ def _cache_kwarg(model_cls) -> str:
 
 
 def new_cache(model) -> DynamicCache:
+    """An empty KV cache: the target's own kind where it makes one (`new_cache()`), else
+    transformers' DynamicCache (no HF model defines `new_cache`)."""
+    own = getattr(model, "new_cache", None)
+    if callable(own):
+        return own()
+    from transformers import DynamicCache
     return DynamicCache(config=model.config)
 
 
