@@ -1,7 +1,8 @@
 """The one command line every job shares: `--config FILE`, `--print-config`,
 `--dry-run` and `key=value` overrides. A bad config ends the process with exit code 2
 and `config error: <key>: ...` on stderr before the job does anything else; so does a
-bad drafter / teacher directory (`require_artifacts`: `artifact error: <file>: ...`)."""
+bad drafter / teacher directory (`require_artifacts`: `artifact error: <file>: ...`)
+or a tracking store the job cannot write (`require_tracking`: `tracking error: ...`)."""
 
 import argparse
 import sys
@@ -64,6 +65,27 @@ def require_artifacts(cfg, dirs: List[str], tag: str, need_target: bool = True) 
             print(f"[{tag}] {d}: {check_artifact(d, want)}", flush=True)
         except (ArtifactError, OSError) as e:
             _exit("artifact error", e)
+
+
+def require_tracking(cfg, registry: bool = False) -> None:
+    """`tracking.preflight` before any work: a tracking server that is down, refuses these
+    credentials or this user's writes (or a local store that cannot be written) ends the
+    job here, exit 2 with one line on stderr, instead of after minutes of retries."""
+    from pipelines.common.tracking import TrackingError, preflight
+    try:
+        preflight(cfg, registry=registry)
+    except TrackingError as e:
+        _exit("tracking error", e)
+
+
+def require_writable(cfg) -> None:
+    """`run.output_dir` (and `cluster.storage_uri`) take a file, before any work; else
+    exit 2 with one line (`dag.check_writable`)."""
+    from pipelines.orchestration.dag import PipelineError, check_writable
+    try:
+        check_writable(cfg)
+    except PipelineError as e:
+        _exit("pipeline error", e)
 
 
 def _exit(kind: str, error: Exception) -> None:

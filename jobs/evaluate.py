@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobs.cli import parse_args, require_artifacts
+from jobs.cli import parse_args, require_artifacts, require_tracking
 
 
 def _drafters(cfg, specs: list) -> dict:
@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     print(f"[evaluate] {', '.join(f'{k}={v}' for k, v in drafters.items())} -> {out}", flush=True)
     if args.dry_run:
         return 0
+    require_tracking(cfg)
     from pipelines.stages.evaluate import REPORT, evaluate_stage
     shutil.rmtree(work, ignore_errors=True)  # a fresh evaluation each time this job runs
     report = evaluate_stage(cfg, drafters, work, args.parent_run_id)

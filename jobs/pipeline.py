@@ -9,13 +9,14 @@ dirs, what would be skipped) and the resolved config without starting Ray. At th
 the results table, the MLflow link, and `<run.output_dir>/<run.name>-<hash>/summary.json`.
 Exit status: 0 done, 1 a stage failed or greedy decoding was not lossless (strictly for an
 fp32 target, up to the target's ties for a bf16 one: `dlite.decoding.ties.lossless_rule`),
-2 bad config.
+2 bad config, an unwritable `run.output_dir`, or a tracking store that is down or refuses
+this user (checked before any stage: `tracking.preflight`).
 """
 
 import sys
 import time
 
-from jobs.cli import parse_args
+from jobs.cli import parse_args, require_tracking, require_writable
 
 
 def _flags(p) -> None:
@@ -29,6 +30,9 @@ def main(argv=None) -> int:
     from pipelines.orchestration.dag import PipelineError, home_dir, plan
     from pipelines.common.target_fetch import TargetFetchError, is_remote, localize
     source = cfg.target.path
+    if not args.dry_run:  # before fetching a target or starting Ray: seconds, one line, exit 2
+        require_writable(cfg)
+        require_tracking(cfg, registry="publish" in cfg.run.stages)
     if is_remote(source) and not args.dry_run:  # copied once; a dry run only names it
         try:
             cfg = localize(cfg)

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from jobs.cli import parse_args, require_artifacts
+from jobs.cli import parse_args, require_artifacts, require_tracking
 
 
 def _flags(parser) -> None:
@@ -49,6 +49,7 @@ def main(argv=None) -> int:
         sha = drafter_sha256(Path(args.drafter))[:12]
         print(f"[publish] dry run: weights sha256 {sha}; nothing logged or registered")
         return 0
+    require_tracking(cfg, registry=True)
     try:
         summary = publish(cfg, args.drafter, report, args.parent_run_id, method, args.output)
     except (OSError, ValueError) as e:

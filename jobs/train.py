@@ -19,7 +19,7 @@ import json
 import sys
 
 from dlite.config_schema import TRAIN_STAGES as STAGES
-from jobs.cli import parse_args, require_artifacts
+from jobs.cli import parse_args, require_artifacts, require_tracking
 
 
 def _flags(parser) -> None:
@@ -39,6 +39,7 @@ def main(argv=None) -> int:
         require_artifacts(cfg, [str(teacher_dir(args.teacher))], "train")
     if args.dry_run:
         return 0
+    require_tracking(cfg)
     from dlite.data.shards import ShardError
     from pipelines.stages.train import TrainError, train_stage
     try:

@@ -17,7 +17,7 @@ per decision: submitted / already submitted / nothing new.
 
 import sys
 
-from jobs.cli import parse_args
+from jobs.cli import parse_args, require_tracking
 
 
 def _flags(parser) -> None:
@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     if not args.source or args.interval <= 0 or args.min_age < 0:
         print("watch_target: --source is required; --interval > 0; --min-age >= 0", file=sys.stderr)
         return 2
+    if not args.dry_run:  # a dry run only reads MLflow
+        require_tracking(cfg)
     from pathlib import Path
     from pipelines.retraining.watch import Options, watch
     # One spelling per local source: its MLflow record is found by it.

@@ -12,6 +12,9 @@ Everything goes through `MlflowClient` with an explicit tracking URI (the resolv
 several stores in one process cannot cross wires. A local SQLite store keeps its
 artifacts beside the database (`<db dir>/mlartifacts`), not under whatever directory
 the process happens to run in.
+
+The store is checked once before any work by `pipelines.common.preflight` (re-exported
+here as `preflight`, `TrackingError`, `probe_write`).
 """
 
 import contextlib
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 from omegaconf import OmegaConf
+
+from pipelines.common.preflight import TrackingError, preflight, probe_write  # noqa: F401 (the jobs' API)
 
 RUN_FILE = "mlflow_run.json"
 

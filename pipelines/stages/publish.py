@@ -14,6 +14,9 @@
             where it was and the failing checks are tagged on the version and the run;
             its lossless check follows `lossless_rule(target.dtype)`: strict for an
             fp32 target, up to the target's ties for a bf16 one (`dlite.decoding.ties`)
+  audit     each production move the gate makes is recorded (who, when, which version:
+            `registry_audit`); a production moved since by anyone else is reported as a
+            warning, tagged `dlite.gate.production_audit` on the run
 
 Versions are never overwritten or deleted; only aliases and the `dlite.gate*` tags move.
 """
@@ -31,6 +34,7 @@ from dlite.config import REPO_ROOT, config_hash
 from dlite.decoding.ties import lossless_rule, lossless_verdict
 from dlite.export import model_card
 from pipelines.common import plots, tracking
+from pipelines.stages import registry_audit
 TAG = "dlite."
 METRIC_TAG = "dlite.metric."
 GATED = ("tau", "speedup_vs_ar")  # greedy metrics the release gate reads
@@ -246,7 +250,11 @@ def publish(cfg, drafter_dir, report: dict, parent_run_id: Optional[str] = None,
 
 
 def _gate_and_alias(c, cfg, name: str, mv) -> tuple:
-    """Gate `mv` against the current production; move the aliases; tag the decision."""
+    """Gate `mv` against the current production; move the aliases; tag the decision.
+    Production moved by anyone but the gate since its last move is reported first
+    (`registry_audit`), before this publish moves it again."""
+    audit = registry_audit.audit_production(c, name)
+    registry_audit.warn(audit)
     before = _production(c, name)
     # The version's own tags, not this report: a reused version is gated on what it was
     # registered with, so a rerun decides the same way unless production moved.
@@ -256,9 +264,11 @@ def _gate_and_alias(c, cfg, name: str, mv) -> tuple:
     metrics["lossless"] = lossless_verdict(metrics, cfg.target.dtype)
     gate = release_gate(metrics, before, cfg.gate.min_tau, cfg.gate.min_speedup, cfg.gate.tolerance)
     gate["lossless_rule"] = lossless_rule(cfg.target.dtype)
+    gate["production_audit"] = audit
     c.set_registered_model_alias(name, "candidate", mv.version)
     if gate["passed"]:
         c.set_registered_model_alias(name, "production", mv.version)
+        registry_audit.record_gate_move(c, name, mv.version)  # what later audits compare with
     gate_tags = {f"{TAG}gate": "passed" if gate["passed"] else "failed",
                  f"{TAG}gate.reasons": "; ".join(gate["reasons"])[:4900] or "none"}
     for k, v in gate_tags.items():
@@ -286,7 +296,9 @@ def _register(cfg, run_id: str, d: Path, drafter: dict, r: dict, sha: str, metho
     before, gate, gate_tags = _gate_and_alias(c, cfg, name, mv)
     aliases = sorted(a for a, v in c.get_registered_model(name).aliases.items() if str(v) == str(mv.version))
     model_uri = f"models:/{name}/{mv.version}"
-    tracking.set_tags(uri, run_id, {**gate_tags, f"{TAG}registered_model": name,
+    audit = "; ".join(gate["production_audit"])[:4900] or "none"
+    tracking.set_tags(uri, run_id, {**gate_tags, f"{TAG}gate.production_audit": audit,
+                                    f"{TAG}registered_model": name,
                                     f"{TAG}model_version": mv.version, f"{TAG}model_uri": model_uri,
                                     f"{TAG}reused_version": reused is not None})
     tracking.log_metrics(uri, run_id, 0, {"gate_passed": float(gate["passed"]),

@@ -278,6 +278,8 @@ def test_referenced_secrets_configmaps_and_volumes_are_provided():
             assert ref["name"] in _readme_secrets(), f"{ref['name']}: not created in infra/README.md"
         for claim in _walk(doc, "persistentVolumeClaim"):
             assert f"`{claim['claimName']}`" in README, claim
+        for vol in _walk(doc, "secret"):
+            assert vol["secretName"] in _readme_secrets(), f"{vol['secretName']}: not created in infra/README.md"
 
 
 def _shared_mounts(doc):
@@ -300,3 +302,88 @@ def test_config_paths_live_on_the_volume_every_pod_mounts(clean_env):
             assert path.startswith(mount + "/"), (name, path)
     (cmd,) = [argv for kind, argv in _commands() if kind == "CronJob"]
     assert _module_args(cmd)[1]["--source"].startswith(mount + "/")
+
+
+# ---------------------------------------------------------------- MLflow authentication
+
+AUTH_INI = INFRA / "mlflow" / "basic_auth.ini"
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|_KEY\b|CREDENTIAL")
+
+
+def _env(container):
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def _from_secret(entry):
+    return entry.get("valueFrom", {}).get("secretKeyRef")
+
+
+def test_no_secret_value_in_any_manifest():
+    """Passwords, tokens and keys reach pods only from Secrets (created by hand in the
+    README), never as literal values in a manifest, a RayJob's runtime env or the
+    auth config template."""
+    for (kind, name), doc in DOCS.items():
+        for c in _containers(doc):
+            for var, e in _env(c).items():
+                if SECRET_NAME.search(var) and var != "RAY_AUTH_MODE":
+                    assert "value" not in e and _from_secret(e), f"{kind}/{name}: {var} is not from a Secret"
+    for value in _strings(list(DOCS.values())):  # the manifests' values, not their comments
+        assert not re.search(r"://[^\s/:@]+:[^\s/@]+@", value), f"credentials in a URI: {value}"
+    runtime_env = yaml.safe_load(_one("RayJob")["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert not [k for k in runtime_env if k.startswith("MLFLOW_TRACKING_") or SECRET_NAME.search(k)]
+    ini = AUTH_INI.read_text()
+    assert not re.search(r"^\s*admin_password\s*=", ini, re.M)
+    assert "DB_PASSWORD" in ini and f"sed 's#DB_PASSWORD#" in README  # a placeholder, filled in the Secret
+
+
+def test_the_mlflow_server_runs_the_basic_auth_app_configured_from_a_secret():
+    import configparser
+    deploy = _one("Deployment")
+    (server,) = _containers(deploy)
+    assert "--app-name=basic-auth" in server["args"]
+    env = _env(server)
+    for var in ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"):
+        assert _from_secret(env[var])["name"] in _readme_secrets(), var
+    # The auth config is a file of a Secret, mounted where MLFLOW_AUTH_CONFIG_PATH says.
+    path = Path(env["MLFLOW_AUTH_CONFIG_PATH"]["value"])
+    (mount,) = [m for m in server["volumeMounts"] if path.parent == Path(m["mountPath"])]
+    (vol,) = [v for v in _pod_specs(deploy)[0]["volumes"] if v["name"] == mount["name"]]
+    assert [i["path"] for i in vol["secret"]["items"]] == [path.name]
+    assert f"--from-file={path.name}=" in README
+    cfg = configparser.ConfigParser()
+    cfg.read_string(AUTH_INI.read_text())
+    # Users and grants on the same PostgreSQL server as the runs (the README says why
+    # READ is the default: a reviewer needs only an account).
+    assert cfg["mlflow"]["default_permission"] in ("READ", "NO_PERMISSIONS")
+    assert cfg["mlflow"]["default_permission"] in README
+    assert cfg["mlflow"]["database_uri"].startswith("postgresql://")
+    runs_db = re.search(r"generic mlflow-db\s*\\\s*--from-literal=uri=(\S+)", README)[1]
+    assert urlparse(cfg["mlflow"]["database_uri"]).hostname == urlparse(runs_db).hostname
+    assert "mlflow[auth]==" in DOCKERFILE  # the image can run the auth app
+
+
+def _strings(node):
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for v in node.values():
+            yield from _strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _strings(v)
+
+
+def test_pipeline_clients_log_in_as_the_service_user():
+    """Every pod that runs a job talking to MLflow -- the Ray head (job drivers), the
+    GPU workers (Ray Train's rank 0 logs losses) and the watcher -- takes
+    MLFLOW_TRACKING_USERNAME / _PASSWORD from one Secret, keys `username` / `password`."""
+    pods = [*_containers(_one("RayCluster")), *_containers(_one("CronJob"))]
+    secrets = set()
+    for c in pods:
+        env = _env(c)
+        for var, key in (("MLFLOW_TRACKING_USERNAME", "username"), ("MLFLOW_TRACKING_PASSWORD", "password")):
+            ref = _from_secret(env[var])
+            assert ref and ref["key"] == key, (c["name"], var)
+            secrets.add(ref["name"])
+    assert len(secrets) == 1 and secrets <= _readme_secrets(), secrets
+    assert "MLFLOW_TRACKING_USERNAME" in README and "grant_user_permission" in README
