@@ -202,7 +202,7 @@ def config_hash(cfg: DictConfig, sections: Optional[Iterable[str]] = None) -> st
 # ---------------------------------------------------------------- validation
 
 ENUMS = {
-    "drafter.arch": {"dlite", "teacher", "dspark"},
+    "drafter.arch": {"dlite", "teacher", "dspark", "dlite_v1"},
     "drafter.context_injection": {"kv", "add"},
     "drafter.head": {"gru", "attn", "none"},
     "data.storage_mode": {"full", "anchors"},
@@ -219,11 +219,13 @@ ENUMS = {
 POSITIVE = [
     "drafter.hidden_size", "drafter.num_layers", "drafter.num_heads",
     "drafter.num_kv_heads", "drafter.head_dim", "drafter.intermediate_size",
-    "drafter.head_hidden", "drafter.markov_rank", "data.n_train", "data.n_heldout",
+    "drafter.head_hidden", "drafter.markov_rank", "drafter.sequential_rank", "data.n_train",
+    "data.n_heldout",
     "data.max_seq_len", "data.topk", "data.anchors_per_seq", "train.steps_align",
     "train.steps_dspark", "train.lr", "train.batch_size", "train.grad_accum",
     "eval.n_trajectories", "eval.max_new_tokens", "eval.threads", "cluster.num_workers",
-    "cluster.cpus_per_worker", "data.regen_max_new_tokens", "data.records_per_shard",
+    "cluster.cpus_per_worker", "data.regen_max_new_tokens", "data.regen_samples",
+    "data.regen_batch_size", "data.records_per_shard",
     "data.batch_tokens", "data.shuffle_buffer", "data.cache_bytes", "eval.speed_trajectories",
     "eval.hybrid_min_match", "eval.lookup.min_ngram", "eval.suffix.max_tree_depth",
     "eval.suffix.max_spec_factor",
@@ -304,6 +306,14 @@ def _target_json(path: str) -> dict:
         raise ConfigError(f"target.path: {d / 'config.json'} is not valid JSON ({e})") from None
 
 
+def target_shape(cfg: DictConfig) -> tuple:
+    """(num_layers, hidden_size) of the configured target: the config's own values, else
+    its config.json (None where neither says)."""
+    info = _target_json(cfg.target.path)
+    return (cfg.target.num_layers or info.get("num_hidden_layers"),
+            cfg.target.hidden_size or info.get("hidden_size"))
+
+
 def _check_target_layers(cfg: DictConfig) -> None:
     ids, key = list(cfg.drafter.target_layer_ids), "drafter.target_layer_ids"
     _require(len(ids) > 0, key, "must name at least one target layer")
@@ -317,6 +327,29 @@ def _check_target_layers(cfg: DictConfig) -> None:
                  f"{ours} but {cfg.target.path}/config.json says {theirs}")
     n = cfg.target.num_layers or info.get("num_hidden_layers")
     _require(n is None or max(ids) < n, key, f"{ids} outside the target's {n} layers")
+    if cfg.drafter.arch == "dlite_v1":
+        _check_dlite_v1(cfg.drafter, n, cfg.target.hidden_size or info.get("hidden_size"))
+
+
+def _check_dlite_v1(d: DictConfig, n_layers, width) -> None:
+    """The published design's fixed choices (`dlite.models.dlite_v1`), where the target's
+    depth / width are known here."""
+    from dlite.models.dlite_v1 import published_layer_ids
+    ids, k = list(d.target_layer_ids), len(d.target_layer_ids)
+    _require(d.anchor_group_size in (1, 2), "drafter.anchor_group_size",
+             f"must be 1 or 2 for dlite_v1, got {d.anchor_group_size}")
+    _require(d.draft_vocab_size is None, "drafter.draft_vocab_size",
+             "dlite_v1 drafts over the full vocabulary (its own r -> V projection): set null")
+    _require(width is None or d.hidden_size == width, "drafter.hidden_size",
+             f"{d.hidden_size}: dlite_v1 runs at the target's width {width}")
+    if n_layers is None:  # a hub id: its depth is only known after downloading
+        return
+    _require(2 <= k <= n_layers, "drafter.target_layer_ids",
+             f"{ids}: dlite_v1 needs 2..{n_layers} context layers of the target's {n_layers}")
+    want = published_layer_ids(n_layers, k)
+    _require(ids == want, "drafter.target_layer_ids",
+             f"{ids}: dlite_v1 reads the published selection of {k} of the target's {n_layers} "
+             f"layers (first, last, evenly spaced): {want}")
 
 
 def _check_cluster(c: DictConfig) -> None:
@@ -335,6 +368,13 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
     d, t, e = cfg.data, cfg.train, cfg.eval
     _require(d.min_chars <= d.max_chars, "data.min_chars",
              f"{d.min_chars} > data.max_chars={d.max_chars}")
+    _require(d.regen_temperature >= 0, "data.regen_temperature", f"must be >= 0, got {d.regen_temperature}")
+    _require(0 < d.regen_top_p <= 1, "data.regen_top_p", f"not in (0, 1]: {d.regen_top_p}")
+    _require(d.regen_samples == 1 or d.regen_temperature > 0, "data.regen_samples",
+             f"{d.regen_samples} samples at data.regen_temperature=0 would be identical copies")
+    _require(cfg.drafter.arch != "dlite_v1" or t.skip_teacher, "train.skip_teacher",
+             "drafter.arch=dlite_v1 trains from scratch here (its published teacher recipe is "
+             "not built yet): set train.skip_teacher=true")
     _require(t.skip_teacher or t.steps_teacher > 0, "train.steps_teacher",
              f"must be > 0 unless train.skip_teacher, got {t.steps_teacher}")
     _require(t.zero_stage is None or 0 <= t.zero_stage <= 3, "train.zero_stage",

@@ -54,6 +54,10 @@ class DataConfig:
     length_policy: str = "truncate"  # over max_seq_len: "truncate" | "split" | "drop"
     regenerate: bool = False  # re-generate assistant turns with the target (self-distillation)
     regen_max_new_tokens: int = 256
+    regen_temperature: float = 0.0  # 0: greedy (the target's own most likely answers)
+    regen_top_p: float = 1.0
+    regen_samples: int = 1  # answers per conversation (> 1 needs regen_temperature > 0)
+    regen_batch_size: int = 8  # conversations decoded together by one regeneration actor
     skip_other_files: bool = False  # in an input directory: skip non-trajectory files (else quarantined)
     keep_reasoning: bool = False  # keep thinking/reasoning items as assistant reasoning_content
     records_per_shard: int = 64  # record i goes to shard i // records_per_shard (resume)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Dict, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from dlite.models import LEARNED_MASK, build_drafter, param_count
 from dlite.models.config import DrafterConfig
@@ -105,6 +104,7 @@ def save_drafter(model, out_dir, extra_config: dict,
     out.mkdir(parents=True, exist_ok=True)
     config = drafter_config_dict(model, extra_config)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    from safetensors.torch import save_file  # here: the module loads without it (dlite.bench.device)
     save_file(tensors, str(out / WEIGHTS), metadata={"format": FORMAT})
     config["files"] = {WEIGHTS: {"sha256": _sha256(out / WEIGHTS), "bytes": (out / WEIGHTS).stat().st_size}}
     (out / "README.md").write_text(model_card(config, card_sections))
@@ -152,6 +152,9 @@ def check_artifact(path, target_fingerprint=None) -> str:
     `target_fingerprint` (an id or a fingerprint dict; None: not compared).
     Returns what was verified, for the caller's log line."""
     path = Path(path)
+    from dlite.models import dlite_v1_io  # imports this module: loaded on first use
+    if dlite_v1_io.is_published(path):  # the authors' layout (`DLiteDraftModel`)
+        return dlite_v1_io.check_published(path, target_fingerprint)
     config = read_config(path)
     if not (path / WEIGHTS).is_file():
         raise ArtifactError(f"{path / WEIGHTS}: missing (config.json is there: an incomplete copy?)")
@@ -221,16 +224,23 @@ def _drafter_cfg(raw: dict) -> DrafterConfig:
     return DrafterConfig(**raw)
 
 
-def load_drafter(path, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+def load_drafter(path, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 final_norm_weight: Optional[torch.Tensor] = None):
     """Rebuild the drafter from `path` around the target's embedding / lm_head (checked
-    against the stored vocabulary and width); weights keep their stored dtype."""
+    against the stored vocabulary and width); weights keep their stored dtype. A
+    directory in the authors' published layout loads too (`dlite.models.dlite_v1_io`);
+    it needs the target's `final_norm_weight`, which our dlite_v1 artifacts store."""
     path = Path(path)
+    from dlite.models import dlite_v1_io
+    if dlite_v1_io.is_published(path):
+        return dlite_v1_io.load_published(path, embed_weight, lm_head_weight, final_norm_weight)
     config = read_config(path)
     want = (config["vocab_size"], config["target_hidden_size"])
     if tuple(embed_weight.shape) != want or tuple(lm_head_weight.shape) != want:
         raise ValueError(f"target embedding/lm_head {tuple(embed_weight.shape)}/"
                          f"{tuple(lm_head_weight.shape)} do not match the drafter's {want}")
     cfg = _drafter_cfg(config["drafter_config"])
+    from safetensors.torch import load_file
     state = load_file(str(path / WEIGHTS), device=str(embed_weight.device))
     draft_ids = state.get("vocab.draft_ids")  # built into the model: it slices the lm_head
     n = None if draft_ids is None else draft_ids.numel()
@@ -240,7 +250,9 @@ def load_drafter(path, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor)
     if (config.get("mask_embedding") == "learned") != ("vocab.mask_embed" in state):
         raise ValueError(f"{path}: mask_embedding={config.get('mask_embedding')!r} disagrees with "
                          f"model.safetensors")
+    # dlite_v1 keeps the target's final-norm weight among its own tensors
+    parts = {"final_norm_weight": state["target_norm_weight"]} if "target_norm_weight" in state else {}
     with torch.device("meta"):  # no throw-away random init: every weight is assigned below
-        model = build_drafter(cfg, embed_weight, lm_head_weight, config["mask_token_id"], draft_ids)
+        model = build_drafter(cfg, embed_weight, lm_head_weight, config["mask_token_id"], draft_ids, **parts)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -26,6 +26,9 @@ speedups over their own plain decoding, which should agree if our timing is hone
 production batch (goal <= 2 GB).
 `shape_rehearsal`: the Qwen3-4B DLite drafter's shapes on CPU in bf16 (train step, draft
 round, export round trip), peak RSS and time per phase.
+`regenerate`: today's HFRegenerator against the batched, cache-carrying regenerator on
+the same --conversations (4) built-in trajectories (2-3 assistant turns, 64 new tokens
+per turn): tokens/s of each, their ratio (goal >= 4x), whether the greedy tokens agree.
 `gpu_check`: the prepared first GPU run (`scripts/gpu_check.sh` passes its sizes): the
 pipeline without ablation and publish, then the engine comparison on its shards; tokens/s,
 tau, engine overhead, peak GPU memory per training stage, seconds against the 8-minute budget.
@@ -145,6 +148,14 @@ def shape_rehearsal(cfg, args) -> dict:
     return {**report, "config": OmegaConf.to_container(cfg, resolve=True)}
 
 
+def regenerate(cfg, args) -> dict:
+    # HFRegenerator vs the batched regenerator on the same --conversations (4) built-in
+    # trajectories (2-3 assistant turns, 64 new tokens each), one process: tokens/s, ratio,
+    # identical tokens. Batch size: data.regen_batch_size.
+    from pipelines.benchmarks.regenerate import run
+    return run(cfg, n=args.conversations, max_new_tokens=64, threads=args.threads)
+
+
 def gpu_check(cfg, args) -> dict:
     # The pipeline runs as a subprocess with --config and the same key=value overrides.
     from pipelines.benchmarks.gpu_check import run
@@ -153,7 +164,7 @@ def gpu_check(cfg, args) -> dict:
 
 BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality,
               "target_probe": target_probe, "lookup_check": lookup_check, "loss_memory": loss_memory, "shape_rehearsal": shape_rehearsal,
-              "gpu_check": gpu_check}
+              "gpu_check": gpu_check, "regenerate": regenerate}
 
 
 def main(argv=None) -> int:
@@ -180,6 +191,7 @@ def main(argv=None) -> int:
                        help="quality: also evaluate on prompts nobody here wrote (a JSONL of "
                             "{\"turns\": [...]} records, e.g. ../shared/data/swe-bench-prompts.jsonl)")
         p.add_argument("--n-prompts", type=int, default=8, help="quality: how many of --prompts")
+        p.add_argument("--conversations", type=int, default=4, help="regenerate: how many trajectories")
 
     name, (args, cfg) = argv[0], parse_args(argv[1:], extra)
     if args.dry_run:

@@ -181,12 +181,14 @@ class HFRegenerator:
     by the target's continuation of the conversation so far (earlier turns already
     regenerated), and a conversation ending in a user/tool turn gains one. Tool results
     stay as recorded, so the supervised tokens are the target's own given exactly the
-    context they are stored with. Cost grows with turns x context: use a serving engine
-    for long agent trajectories."""
+    context they are stored with. Cost grows with turns x context (the whole history is
+    prefilled again every turn): `dlite.decoding.regenerate.BatchedRegenerator` carries each
+    conversation's cache from turn to turn and decodes many at once."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 256, do_sample: bool = False):
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.do_sample = max_new_tokens, do_sample
+        self.generated: List[List[int]] = []  # every turn's new ids, in order (for comparisons)
 
     def regenerate(self, messages: list, tools: list) -> list:
         out: list = []
@@ -207,6 +209,7 @@ class HFRegenerator:
                                       max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
                                       eos_token_id=list(eos_ids(self.model, self.tok)),
                                       pad_token_id=self.tok.pad_token_id or self.tok.eos_token_id)
+        self.generated.append(gen[0, ids.shape[1]:].tolist())
         text = self.tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)
         for stop in (self.tok.eos_token, self.tok.pad_token):
             text = text.split(stop)[0] if stop else text

@@ -27,7 +27,8 @@ def prior_root(prior: str) -> Optional[Path]:
 @dataclass
 class DrafterConfig:
     # Which architecture: "dlite" (history-free), "teacher" (DLite + history KV),
-    # "dspark" (history KV + logit-space Markov head).
+    # "dspark" (history KV + logit-space Markov head), "dlite_v1" (the authors' published
+    # design, `dlite.models.dlite_v1`: one context slot per target layer, own r -> V head).
     arch: str = "dlite"
     # gamma = number of drafted tokens per round; the block is [anchor, MASK x (gamma-1)].
     gamma: int = 7
@@ -60,3 +61,8 @@ class DrafterConfig:
     # "python_stdlib" (token frequency over this interpreter's standard-library source:
     # code text a coding agent reads and writes), or a path to a text file / directory.
     draft_vocab_prior: str = "low_ids"
+    # dlite_v1 only. Real tokens leading its query block: 2 = [anchor-1, anchor], 1 = [anchor].
+    anchor_group_size: int = 2
+    # dlite_v1 only: rank r of its recurrent sequential head (token embedding V x r,
+    # output projection r -> V). Its context layers are `target_layer_ids` (one slot each).
+    sequential_rank: int = 256

@@ -26,3 +26,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             f"target {type(model).__name__} (model_type {kind!r}) has no .model.layers to hook: "
             f"DLite supports {SUPPORTED}")
     return layers
+
+
+def final_norm_weight(model: nn.Module):
+    """The weight of the target's final norm (`model.model.norm`): a drafter that reads
+    HF `hidden_states[-1]` (the published DLite layout) applies it to the last layer's
+    pre-norm output, which is what our capture hooks see."""
+    norm = getattr(getattr(model, "model", model), "norm", None)
+    if norm is None or getattr(norm, "weight", None) is None:
+        raise UnsupportedTarget(f"target {type(model).__name__} has no .model.norm.weight")
+    return norm.weight.detach()

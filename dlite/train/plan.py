@@ -61,9 +61,12 @@ def plan_stage(cfg, stage: str) -> StagePlan:
         return StagePlan(stage, "teacher", t.steps_teacher)
     if stage == "dspark":
         return StagePlan(stage, "dspark", t.steps_dspark)
+    # The align stage trains our DLite, or the published design when the drafter section
+    # asks for it (`drafter.arch: dlite_v1`; from scratch, the config check insists).
+    arch = "dlite_v1" if cfg.drafter.arch == "dlite_v1" else "dlite"
     if t.skip_teacher:
-        return StagePlan(stage, "dlite", t.steps_align)
-    return StagePlan(stage, "dlite", t.steps_align, round(t.distill_frac * t.steps_align), True)
+        return StagePlan(stage, arch, t.steps_align)
+    return StagePlan(stage, arch, t.steps_align, round(t.distill_frac * t.steps_align), True)
 
 
 def loop_config(cfg, plan: StagePlan) -> LoopConfig:
@@ -100,6 +103,17 @@ def load_vocab(target_cfg, dtype=torch.float32) -> tuple:
     return embed, lm_head, tgt.mask_token_id(SimpleNamespace(config=conf), tok)
 
 
+def load_final_norm(target_cfg, dtype=torch.float32) -> torch.Tensor:
+    """The target's final-norm weight (`model.norm.weight`), which the published DLite
+    design applies to the last context layer (`dlite.models.dlite_v1`)."""
+    from safetensors import safe_open
+    for f in sorted(tgt.target_dir(target_cfg).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            if "model.norm.weight" in sf.keys():
+                return sf.get_tensor("model.norm.weight").to(dtype)
+    raise ValueError(f"target.path: no model.norm.weight in {tgt.target_dir(target_cfg)}")
+
+
 def teacher_dir(path: str) -> Path:
     """A teacher stage's output dir or its `drafter/` artifact dir."""
     p = Path(path)
@@ -128,7 +142,8 @@ def build_model(cfg, plan: StagePlan, vocab: tuple, teacher=None, device=None, d
     if n is not None and draft_ids is None:
         raise ValueError(f"drafter.draft_vocab_size={n}: build_model needs the draft vocabulary "
                          f"(dlite.train.plan.draft_vocab_from_shards on the training shards)")
-    model = build_drafter(drafter_config(cfg, plan.arch), *vocab, draft_vocab=draft_ids)
+    parts = {"final_norm_weight": load_final_norm(cfg.target)} if plan.arch == "dlite_v1" else {}
+    model = build_drafter(drafter_config(cfg, plan.arch), *vocab, draft_vocab=draft_ids, **parts)
     if plan.from_teacher:
         if teacher is None:
             raise ValueError("the align stage needs --teacher (or train.skip_teacher=true)")

@@ -52,9 +52,10 @@ def compute_loss(model, batch: dict, teacher=None, ce_weight: float = 0.1,
     (`oov_slots`, `oov_share` of valid slots). The loss runs over `chunk_rows` slot rows
     at a time (default: `dlite.losses.chunk_rows_for` the target vocabulary)."""
     anchors, gamma, vocab = batch["anchors"], model.gamma, model.vocab
-    if any(k.endswith("_blocks") for k in batch) and (teacher is not None or model.cfg.arch != "dlite"):
+    if any(k.endswith("_blocks") for k in batch) and (teacher is not None or model.needs_history):
         raise ValueError("an `anchors`-storage batch has features at its anchors only: it trains "
-                         "the DLite student against the target, not a teacher, DSpark or distillation")
+                         "a history-free student against the target, not a teacher, DSpark "
+                         "or distillation")
     logits = model.forward_train(batch)
     targets, valid = block_targets(batch["input_ids"], anchors, gamma, batch.get("loss_mask"),
                                    batch.get("anchor_mask"), batch.get("seq_ids"))

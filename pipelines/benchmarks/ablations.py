@@ -42,8 +42,20 @@ ABLATIONS: Dict[str, tuple] = {  # in the order `all` runs them: the likeliest c
     "vocab_prior_code": ({"drafter.draft_vocab_prior": "python_stdlib", "eval.context_vocab": True},
                          "draft vocabulary filled by token frequency over Python standard-library "
                          "source instead of the lowest ids (+ the per-request vocabulary)"),
+    # The authors' published design (issue 29, `dlite.models.dlite_v1`) at this target's
+    # shape: one context slot per layer of the published selection of 7, G=2 query, 5
+    # layers at the target's width, its own rank-256 head over the full vocabulary; from
+    # scratch with the teacher's steps added (the published teacher recipe is not built).
+    # The variants isolate one difference each.
+    "published_v1": ({"published": {}}, "the published DLite design (7 context slots, G=2, 5 layers at "
+                                         "the target's width, own rank-256 head), from scratch"),
+    "published_v1_1layer": ({"published": {"drafter.num_layers": 1}},
+                            "the published design with 1 backbone layer instead of 5"),
+    "published_v1_g1": ({"published": {"drafter.anchor_group_size": 1}},
+                        "the published design with G=1 (anchor + MASKs) instead of G=2"),
 }
 STAGES = ["collect", "teacher", "align", "evaluate"]
+PUBLISHED_STAGES = ["collect", "align", "evaluate"]  # trained from scratch: no teacher stage
 
 
 def parse(names: str, cfg=None) -> List[str]:
@@ -104,15 +116,34 @@ def ablation_config(cfg, name: str, window: int):
     if "draft_vocab" in over:  # the swept N: a factor of the configured N (None: full)
         factor = over.pop("draft_vocab")
         over["drafter.draft_vocab_size"] = None if factor is None else int(cfg.drafter.draft_vocab_size * factor)
+    if "published" in over:
+        over.update(_published(cfg, over.pop("published")))
     dotted = [f"{k}={'null' if v is None else v}" for k, v in over.items()]
     base = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
     out = bench_config(base, window)
     alone = {k: v for k, v in {"baselines": [], "hybrids": [], "context_vocab": False}.items()
              if f"eval.{k}" not in over}  # the DLite variant alone, unless the ablation says
-    out = OmegaConf.merge(out, {"run": {"stages": STAGES, "name": f"{out.run.name}-{name}"},
+    stages = PUBLISHED_STAGES if name.startswith("published") else STAGES
+    out = OmegaConf.merge(out, {"run": {"stages": stages, "name": f"{out.run.name}-{name}"},
                                 "eval": {"temperatures": [0.0], "speed_trajectories": 1, **alone}})
     validate(out)
     return out
+
+
+def _published(cfg, extra: dict) -> dict:
+    """Overrides that make `cfg`'s drafter the published design at this target's shape
+    and the same optimiser-step budget (teacher + align steps, all in align)."""
+    from dlite.config import target_shape
+    from dlite.models.dlite_v1 import published_layer_ids
+    layers, width = target_shape(cfg)
+    if layers is None or width is None:
+        raise ValueError("--ablations published_*: the target's num_layers / hidden_size are unknown "
+                         "(set target.num_layers and target.hidden_size)")
+    t = cfg.train
+    return {"drafter.arch": "dlite_v1", "drafter.target_layer_ids": published_layer_ids(layers, min(7, layers)),
+            "drafter.hidden_size": width, "drafter.num_layers": 5, "drafter.anchor_group_size": 2,
+            "drafter.sequential_rank": 256, "drafter.draft_vocab_size": None,
+            "train.skip_teacher": True, "train.steps_align": t.steps_teacher + t.steps_align, **extra}
 
 
 def run_one(cfg, name: str, window: int, parent: str, log=print) -> dict:
@@ -136,7 +167,7 @@ def _row(acfg, name: str, stages: list, done: dict, run_id: str) -> dict:
     methods = json.loads(Path(done["evaluate"]["report"]).read_text())["methods"]
     dl, ctx = methods["dlite"], methods.get("dlite_ctxvocab")
     return {"overrides": ABLATIONS[name][0], "why": ABLATIONS[name][1], "training_window": acfg.data.max_seq_len,
-            "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align")},
+            "best_val_tau": {s: done.get(s, {}).get("best_val_tau") for s in ("teacher", "align")},
             "tau": dl["tau"], "tau_by_bucket": dl["tau_by_bucket"], "bucket_labels": dl["bucket_labels"],
             "accept_at_k": dl["accept_at_k"],
             "draft_ms_by_bucket": dl["draft_ms_by_bucket"], "lossless": dl["lossless"],

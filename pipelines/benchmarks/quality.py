@@ -99,18 +99,9 @@ def target_by_bucket(cfg, max_len=None) -> dict:
 
 
 def val_vs_heldout(bench: dict) -> dict:
-    """Per learned method: the in-training estimate (best teacher-forced `val_tau` on the
-    validation rows) next to the held-out greedy tau, their ratio, and whether they agree
-    within 10% -- the number users early-stop on must predict the real one."""
-    out = {}
-    for stage, name in METHODS.items():
-        val, m = bench["best_val_tau"].get(stage), bench["methods"].get(name)
-        if val is None or m is None:
-            continue
-        r = ratio(val, m["tau"])
-        out[name] = {"val_tau": val, "heldout_tau": m["tau"], "val_over_heldout": r,
-                     "within_10pct": None if r is None else abs(r - 1) <= 0.10}
-    return out
+    """`results.val_vs_heldout` over the benchmark's stages and evaluated methods."""
+    from pipelines.orchestration.results import val_vs_heldout as compare_val
+    return compare_val(bench["best_val_tau"], {n: m.get("tau") for n, m in bench["methods"].items()})
 
 
 def prompts_eval(bcfg, done: dict, prompts: str, n: int, home: Path, parent: str) -> dict:

@@ -1,8 +1,11 @@
 """The pipeline as a DAG of idempotent stages (ARCHITECTURE.md §1):
 
-    collect -> teacher -> align ---------------\
-            -> align_no_teacher (ablation) -----> evaluate -> publish
-            -> dspark (baseline) --------------/
+    [regenerate ->] collect -> teacher -> align ---------------\
+                            -> align_no_teacher (ablation) -----> evaluate -> publish
+                            -> dspark (baseline) --------------/
+
+`regenerate` (the target's own assistant turns, before collection) runs when
+`data.regenerate` is on and `collect` is in `run.stages`.
 
 Each stage's output directory is `<run.output_dir>/stages/<stage>-<hash>`, the hash
 taken over the config keys the stage reads and its inputs' hashes (the target's
@@ -44,10 +47,20 @@ class StageDef:
     name: str
     deps: tuple   # stages whose outputs this one reads (when they are in run.stages)
     keys: tuple   # config keys that decide this stage's output
+    # A stage not listed in run.stages: on when this boolean key is true and the stage
+    # it feeds is in run.stages.
+    switch: Optional[str] = None
+    feeds: Optional[str] = None
 
 
+_REGEN_KEYS = ("run.seed", "target", "data.train_path", "data.n_train", "data.min_chars",
+               "data.max_chars", "data.skip_other_files", "data.keep_reasoning",
+               "data.records_per_shard", "data.regen_max_new_tokens", "data.regen_temperature",
+               "data.regen_top_p", "data.regen_samples")
 DEFS = [
-    StageDef("collect", (), ("run.seed", "target", "data", "drafter.target_layer_ids", "drafter.gamma")),
+    StageDef("regenerate", (), _REGEN_KEYS, switch="data.regenerate", feeds="collect"),
+    StageDef("collect", ("regenerate",), ("run.seed", "target", "data", "drafter.target_layer_ids",
+                                          "drafter.gamma")),
     StageDef("teacher", ("collect",), _TRAIN_COMMON + ("train.steps_teacher",)),
     StageDef("align", ("collect", "teacher"), _TRAIN_COMMON + ("train.steps_align", "train.distill_frac")),
     StageDef("align_no_teacher", ("collect",), _TRAIN_COMMON + ("train.steps_teacher", "train.steps_align")),
@@ -86,7 +99,10 @@ def _value(cfg, key: str):
 
 # Settings added after stages were first hashed: at these values they leave a stage's
 # hash as it was, so finished stages stay reusable (a section's field, or a whole key).
-_HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids"}, "train.supervise": "assistant"}
+_HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size": 2, "sequential_rank": 256},
+                 "train.supervise": "assistant",
+                 "data": {"regen_temperature": 0.0, "regen_top_p": 1.0, "regen_samples": 1,
+                          "regen_batch_size": 8}}
 
 
 def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
@@ -97,13 +113,13 @@ def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
         elif key in values and values[key] == neutral:
             del values[key]
     payload = {"stage": d.name, "keys": values, "deps": dep_hashes,
-               **({"target": identity} if d.name == "collect" else {})}
+               **({"target": identity} if d.name in ("regenerate", "collect") else {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def plan(cfg, only: Optional[List[str]] = None, start: Optional[str] = None) -> List[PlannedStage]:
     """Every stage of `run.stages` with its output dir and what a run would do with it."""
-    enabled = [d for d in DEFS if d.name in cfg.run.stages]
+    enabled = [d for d in DEFS if _enabled(cfg, d)]
     names = [d.name for d in enabled]
     for s in (only or []) + ([start] if start else []):
         if s not in names:
@@ -123,6 +139,12 @@ def plan(cfg, only: Optional[List[str]] = None, start: Optional[str] = None) -> 
     return out
 
 
+def _enabled(cfg, d: StageDef) -> bool:
+    if d.switch is None:
+        return d.name in cfg.run.stages
+    return bool(OmegaConf.select(cfg, d.switch)) and d.feeds in cfg.run.stages
+
+
 def _check_inputs(stages: List[PlannedStage]) -> None:
     by = {s.name: s for s in stages}
     for s in stages:
@@ -139,6 +161,36 @@ def home_dir(cfg) -> Path:
     `<run.output_dir>/<run.name>-<config hash>`, so a rerun finds its parent run."""
     from dlite.config import config_hash
     return Path(cfg.run.output_dir).resolve() / f"{cfg.run.name}-{config_hash(cfg)}"
+
+
+def check_writable(cfg) -> None:
+    """Before any work: `run.output_dir` (every stage's outputs) and `cluster.storage_uri`
+    (Ray Train checkpoints, when set) take a file. An unwritable NFS mount or bucket then
+    costs one line (PipelineError), not a traceback after collection."""
+    for key in ("run.output_dir", "cluster.storage_uri"):
+        where = OmegaConf.select(cfg, key)
+        if not where:
+            continue
+        try:
+            _probe(str(where))
+        except (OSError, ValueError) as e:  # pyarrow: ArrowInvalid is a ValueError
+            why = getattr(e, "strerror", None) or " ".join(str(e).split())[:160] or type(e).__name__
+            raise PipelineError(f"{key}: cannot write {where} ({why}): make it writable "
+                                f"or point {key} elsewhere") from None
+
+
+def _probe(where: str) -> None:
+    """Write and delete one file there: local / NFS paths directly, URIs (s3://, ...)
+    through pyarrow, as the stages write them."""
+    if "://" not in where:
+        return tracking.probe_write(Path(where))
+    import uuid
+    from pyarrow import fs as pafs
+    filesystem, root = pafs.FileSystem.from_uri(where)
+    probe = f"{root.rstrip('/')}/.dlite-write-check-{uuid.uuid4().hex}"
+    with filesystem.open_output_stream(probe) as f:
+        f.write(b"ok")
+    filesystem.delete_file(probe)
 
 
 def open_home(cfg, tags: dict) -> tuple:

@@ -4,7 +4,7 @@ curves of every stage, the summary, the stage directories as tags)."""
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from dlite.card import lossless_label
 from pipelines.common import tracking
@@ -51,13 +51,33 @@ def _loss_plot(cfg, home: Path, results: Dict[str, dict]):
     return plots.loss_curves_plot(curves, home / "loss_curves.png")
 
 
+def val_vs_heldout(best_val_tau: Dict[str, Optional[float]], heldout_tau: Dict[str, Optional[float]]) -> dict:
+    """Per learned method: the in-training estimate (best teacher-forced `val_tau` on the
+    validation rows, by stage) next to the held-out greedy tau (by method), their ratio,
+    and whether they agree within 10% -- the number users early-stop on must predict
+    the real one."""
+    from pipelines.orchestration.dag import METHODS
+    out = {}
+    for stage, name in METHODS.items():
+        val, tau = best_val_tau.get(stage), heldout_tau.get(name)
+        if val is None or tau is None:
+            continue
+        r = val / tau if tau else None
+        out[name] = {"val_tau": val, "heldout_tau": tau, "val_over_heldout": r,
+                     "within_10pct": None if r is None else abs(r - 1) <= 0.10}
+    return out
+
+
 def finish(cfg, home: Path, parent_run_id: str, stages: List, results: Dict[str, dict], seconds: float) -> dict:
     """Write summary.json, fill the parent run, close it; returns the summary."""
     uri = cfg.tracking.uri
     summary = {"output_dir": str(home), "seconds": round(seconds, 1), "mlflow_run": parent_run_id,
                "mlflow_link": tracking.run_link(uri, parent_run_id),
                "stages": [{"stage": s.name, "status": s.status, "dir": s.dir} for s in stages],
-               "results": results}
+               "results": results,
+               "val_vs_heldout": val_vs_heldout({s: r.get("best_val_tau") for s, r in results.items()},
+                                                {n: m.get("tau") for n, m in
+                                                 (results.get("evaluate") or {}).get("methods", {}).items()})}
     (home / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     tracking.log_metrics(uri, parent_run_id, 0, {**_parent_metrics(results), "pipeline.seconds": seconds})
     tracking.set_tags(uri, parent_run_id, {f"dlite.stage_dir.{s.name}": s.dir for s in stages})

@@ -3,7 +3,8 @@ summary `pipelines.orchestration.dag.execute` writes as the stage's `stage.json`
 
 A runner gets (context, its output dir, its finished inputs' summaries). Training,
 evaluation and publishing open their own MLflow child runs under the pipeline's parent;
-collection's run is opened here (the collect module knows nothing of MLflow).
+collection's and regeneration's runs are opened here (those modules know nothing of
+MLflow).
 """
 
 from pathlib import Path
@@ -14,11 +15,26 @@ from pipelines.common import tracking
 from pipelines.orchestration.dag import METHODS, child_run
 
 
+def regenerate(ctx, out: Path, deps: dict) -> dict:
+    from pipelines.stages.regenerate import regenerate as run_regenerate
+    cfg = ctx.cfg
+    with child_run(ctx, "regenerate", out) as run_id:
+        m = run_regenerate(cfg, cfg.data.train_path or "builtin:train", str(out / "regenerated"))
+        rates = {k: m[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s") if m[k] is not None}
+        counts = {k: v for k, v in m["counts"].items() if isinstance(v, (int, float))}
+        tracking.log_metrics(cfg.tracking.uri, run_id, 0, {**counts, **rates})
+        tracking.set_tags(cfg.tracking.uri, run_id, {"dlite.target_fingerprint": m["target_fingerprint"]["id"]})
+    return {"regenerated": str(out / "regenerated"), "run_id": run_id, "counts": m["counts"],
+            "sampling": m["sampling"], **rates, "plan_id": m["plan_id"]}
+
+
 def collect(ctx, out: Path, deps: dict) -> dict:
     from pipelines.stages.collect import collect as run_collect
     cfg = ctx.cfg
+    source = deps["regenerate"]["regenerated"] if "regenerate" in deps else \
+        cfg.data.train_path or "builtin:train"
     with child_run(ctx, "collect", out) as run_id:
-        m = run_collect(cfg, cfg.data.train_path or "builtin:train", str(out / "shards"))
+        m = run_collect(cfg, source, str(out / "shards"))
         counts = {k: v for k, v in m["counts"].items() if isinstance(v, (int, float))}
         tracking.log_metrics(cfg.tracking.uri, run_id, 0, counts)
         tracking.set_tags(cfg.tracking.uri, run_id, {"dlite.target_fingerprint": m["target_fingerprint"]["id"],
@@ -89,6 +105,7 @@ def publish(ctx, out: Path, deps: dict) -> dict:
 
 
 RUNNERS = {
+    "regenerate": regenerate,
     "collect": collect,
     "teacher": _train("teacher", "teacher"),
     "align": _train("align", "align"),

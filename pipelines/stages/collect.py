@@ -4,11 +4,14 @@
   ids      (driver)  every record's id, so duplicates are decided globally (first wins)
   prepare  (map)     read + adapt + validate one shard's records; bad ones -> quarantine
                      (Ray Data fuses it into the actors' stage: no payload copies)
-  features (actors)  optional regeneration, rendering + loss mask + length policy,
+  features (actors)  rendering + loss mask + length policy,
                      anchors, the target forward in length buckets, each bucket appended
                      to the shard's temp file, renamed, sidecar last (actor pool, GPUs
                      per actor from cluster.gpus_per_worker)
   finish   (driver)  quarantine.jsonl and manifest.json from the sidecars
+
+With `data.regenerate` on, the records are the target's own conversations, from the
+`regenerate` stage's output (`pipelines.stages.regenerate.as_input`).
 
 Bad records never fail the job; a target that does not load, or an output directory
 holding another plan, does. Resume: a rerun skips shards whose sidecar and file are in
@@ -80,8 +83,10 @@ def _entry(index, where, q: Quarantine, rid=None) -> dict:
     return {"index": index, "id": rid, "where": where, "reason": q.reason, "detail": q.detail}
 
 
-def _prepare(batch, duplicates, require_assistant, keep_reasoning=False):
-    """One payload per shard: its validated canonical records and its quarantine entries."""
+def _prepare(batch, duplicates, require_assistant, keep_reasoning=False, canonical=False):
+    """One payload per shard: its validated canonical records and its quarantine entries.
+    `canonical`: records the regenerate stage wrote, validated there (re-validating
+    would refuse their tool results: the regenerated turns carry no structured calls)."""
     dups, out = set(duplicates), []
     for s in batch["spec"]:
         spec, recs, bad, read = json.loads(s), [], [], 0
@@ -90,6 +95,10 @@ def _prepare(batch, duplicates, require_assistant, keep_reasoning=False):
             try:
                 if isinstance(raw, Quarantine):
                     raise raw
+                if canonical:
+                    recs.append({"index": index, "where": where, "id": raw["id"],
+                                 "messages": raw["messages"], "tools": raw.get("tools") or []})
+                    continue
                 rec = formats.to_canonical(raw, where, keep_reasoning=keep_reasoning)
                 rid = rec["id"]
                 if index in dups:
@@ -112,15 +121,12 @@ class _FeatureWorker:
         import torch
         from dlite import target
         from dlite.data.features import TargetFeatures
-        from dlite.data.render import HFRegenerator
         self.cfg, self.st = OmegaConf.create(cfg), CollectSettings(**settings)
         gpu = self.st.gpus_per_actor > 0 and torch.cuda.is_available()
         # The configured target dtype, as training features and evaluation will use it.
         self.model, self.tok = target.load(self.cfg.target)
         self.model.to("cuda" if gpu else "cpu")
         self.tf = TargetFeatures(self.model, self.cfg.drafter.target_layer_ids)
-        self.regen = HFRegenerator(self.model, self.tok, self.st.regen_max_new_tokens) \
-            if self.st.regenerate else None
         self.plan_id, self.store = plan_id, Store(output)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         d = self.cfg.data
@@ -137,8 +143,6 @@ class _FeatureWorker:
         t0, bad, seqs, d = time.time(), list(payload["quarantine"]), [], self.cfg.data
         for rec in payload["records"]:
             try:
-                if self.regen is not None:
-                    rec = {**rec, "messages": self.regen.regenerate(rec["messages"], rec["tools"])}
                 seqs += sequences(self.tok, rec, d.max_seq_len, d.length_policy,
                                   d.anchors_per_seq, self.cfg.run.seed)
             except Quarantine as q:
@@ -178,11 +182,13 @@ def _duplicates(specs: list) -> list:
     return dups
 
 
-def _run_features(cfg, st: CollectSettings, todo: list, dups: list, plan_id: str, output: str):
+def _run_features(cfg, st: CollectSettings, todo: list, dups: list, plan_id: str, output: str,
+                  canonical: bool = False):
     items = [{"spec": json.dumps(s)} for s in todo]
     ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        _prepare, batch_size=1, fn_kwargs={"duplicates": dups, "require_assistant": not st.regenerate,
-                                           "keep_reasoning": bool(cfg.data.keep_reasoning)})
+        _prepare, batch_size=1, fn_kwargs={"duplicates": dups, "require_assistant": True,
+                                           "keep_reasoning": bool(cfg.data.keep_reasoning),
+                                           "canonical": canonical})
     ds = ds.map_batches(
         _FeatureWorker, batch_size=1, num_cpus=1, num_gpus=st.gpus_per_actor or None,
         compute=ray.data.ActorPoolStrategy(size=st.num_actors, max_tasks_in_flight_per_actor=1),
@@ -217,6 +223,28 @@ def _check_target(cfg) -> dict:
         raise CollectError(f"target.path: the tokenizer of {cfg.target.path!r} has no chat template")
     return {"fingerprint": fp, "hidden_size": conf.hidden_size,
             "num_layers": conf.num_hidden_layers, "dtype": cfg.target.dtype}
+
+
+def run_missing_shards(cfg, store: Store, specs: list, plan_id: str, stage: str, work) -> list:
+    """Every shard's sidecar, after `work(todo)` (on Ray, started only if needed) made the
+    shards not finished yet, then quarantine.jsonl: the resume protocol of the stages
+    that write shards (collect, regenerate)."""
+    store.remove_tmp("shards")
+    todo = [s for s in specs if shards.finished_shard(store, s["shard"], plan_id) is None]
+    print(f"[{stage}] {len(specs)} shards, {len(specs) - len(todo)} already done", flush=True)
+    if todo:
+        init_ray(cfg)
+        try:
+            work(todo)
+        except Exception as e:  # Ray wraps worker failures in pages of traceback
+            cause = [x for x in str(e).splitlines() if x.strip()][-1:] or [repr(e)]
+            raise CollectError(f"{stage}: the stage failed on a worker: {cause[0]}") from e
+    sides = [shards.finished_shard(store, s["shard"], plan_id) for s in specs]
+    if any(s is None for s in sides):
+        raise CollectError(f"{stage}: shards {[i for i, s in enumerate(sides) if s is None]} "
+                           "are missing after the run")
+    shards.write_quarantine(store, [e for s in sides for e in s["quarantine"]])
+    return sides
 
 
 def _resolve_input(cfg, input_path: str, output: str) -> str:
@@ -260,6 +288,9 @@ def collect(cfg, input_path: str, output: str, settings: CollectSettings = None)
     returns the manifest. Starts Ray (`init_ray`) only if there is work left."""
     t0, st = time.time(), settings or CollectSettings.from_config(cfg)
     tinfo = _check_target(cfg)
+    from pipelines.stages.regenerate import as_input  # it builds on this module's steps
+    input_path, regen = as_input(cfg, input_path, output, tinfo["fingerprint"],
+                                 st.regenerate, st.regen_max_new_tokens)
     specs, identity = formats.plan_input(_resolve_input(cfg, input_path, output),
                                          st.records_per_shard, bool(cfg.data.skip_other_files))
     plan = make_plan(cfg, st, tinfo["fingerprint"], identity)
@@ -268,23 +299,12 @@ def collect(cfg, input_path: str, output: str, settings: CollectSettings = None)
     shards.claim(store, plan)
     if store.exists(shards.MANIFEST):
         return shards.read_manifest(output, tinfo["fingerprint"])
-    store.remove_tmp("shards")
-    todo = [s for s in specs if shards.finished_shard(store, s["shard"], plan_id) is None]
-    print(f"[collect] {len(specs)} shards, {len(specs) - len(todo)} already done", flush=True)
-    if todo:
-        init_ray(cfg)
-        try:
-            _run_features(cfg, st, todo, _duplicates(specs), plan_id, output)
-        except Exception as e:  # Ray wraps worker failures in pages of traceback
-            cause = [x for x in str(e).splitlines() if x.strip()][-1:] or [repr(e)]
-            raise CollectError(f"collect: the feature stage failed on a worker: {cause[0]}") from e
-    sides = [shards.finished_shard(store, s["shard"], plan_id) for s in specs]
-    if any(s is None for s in sides):
-        raise CollectError(f"collect: shards {[i for i, s in enumerate(sides) if s is None]} "
-                           "are missing after the run")
-    shards.write_quarantine(store, [e for s in sides for e in s["quarantine"]])
+    sides = run_missing_shards(cfg, store, specs, plan_id, "collect", lambda todo: _run_features(
+        cfg, st, todo, _duplicates(specs), plan_id, output, regen is not None))
     manifest = _manifest(cfg, plan, plan_id, tinfo, sides, time.time() - t0)
     manifest["counts"]["formats"] = formats.count_formats(specs)  # records read, per input format
+    if regen is not None:  # where the conversations came from, and what regeneration dropped
+        manifest["regenerated"] = {k: regen[k] for k in ("plan_id", "sampling", "counts")}
     shards.write_manifest(store, manifest)
     return manifest
 

@@ -97,10 +97,12 @@ def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, tempera
     model, tok = tgt.load(cfg.target)  # target.dtype / attn_implementation, as collected
     if torch.cuda.is_available():  # a GPU worker (cluster.use_gpu): target and drafters on it
         model = model.to("cuda")
+    from dlite.target.layers import final_norm_weight
     embed, lm_head, _ = tgt.shared_vocab(model, tok)
+    norm = final_norm_weight(model)  # read only by a drafter in the authors' published layout
     learned = {}
     for name, path in drafters.items():
-        learned[name] = load_drafter(path, embed, lm_head).to(model.dtype)  # the target's dtype
+        learned[name] = load_drafter(path, embed, lm_head, norm).to(model.dtype)  # the target's dtype
     builders = method_builders(cfg.eval, learned, lm_head.shape[0])
     return replay_methods(model, tok, builders, records, cfg.eval, temperatures, timed)[0]
 

@@ -61,12 +61,18 @@ def test_pipeline_runs_every_stage(pipeline_run, mlflow_server):
         m = report["methods"][name]
         t1 = m["by_temperature"]["1.0"]
         assert head == {"tau": m["tau"], "speedup_vs_ar": m["speedup_vs_ar"], "lossless": True,
+                        "speedup_vs_ar_lower": m["speedup_vs_ar_lower"],
                         "lossless_up_to_ties": True,  # fp32 target: the same verdict as strict
                         "tau_t1": t1["tau"], "speedup_vs_ar_t1": t1["speedup_vs_ar"],
                         "tau_by_bucket": m["tau_by_bucket"]}
         assert m["n_tokens"]["spec"] == m["n_tokens"]["plain"] > 0 and m["n_mismatched_tasks"] == 0
         for r in m["by_temperature"].values():
             check_figures(r)
+    # The training estimate beside the held-out figure, per learned method.
+    for name, stage in (("dlite", "align"), ("dlite_no_teacher", "align_no_teacher"), ("dspark", "dspark")):
+        v = s["val_vs_heldout"][name]
+        assert v["val_tau"] == s["results"][stage]["best_val_tau"] and v["heldout_tau"] == ev["methods"][name]["tau"]
+        assert v["val_over_heldout"] == pytest.approx(v["val_tau"] / v["heldout_tau"])
     assert "plain decoding" in first.stdout and "MLflow run: http://" in first.stdout
     assert s["results"]["publish"]["version"]
 

@@ -1,0 +1,334 @@
+"""Batched regeneration of assistant turns by the target (self-distillation, DLITE.md §3
+"Data"): the conversations `dlite.data.render.HFRegenerator` produces (each assistant
+turn replaced, left to right, by the target's continuation of the history so far, tool
+results as recorded) at a fraction of its cost.
+
+  rows     one per (conversation, sample), each with its OWN batch-1 KV cache;
+  prefill  per row, unpadded, only what its cache lacks: a new row starts from a copy of
+           the prompt prefix it shares with earlier rows (an agent corpus repeats one
+           system prompt + tool schemas) when >= SHARE_MIN tokens; turn k+1's prompt,
+           where it extends the cached tokens (turn k's prompt + answer), costs only the
+           new tool / user text + the generation prompt; where not (text re-tokenised
+           otherwise) the cache is cropped to the common prefix (`prefix_misses`);
+  decode   up to `batch_size` rows due a turn, stacked LEFT-padded into one cache with
+           room for the turn (mask + per-row positions), in lockstep; a row stops on any
+           EOS id of the generation config or at `max_new_tokens` and its slice goes back
+           to its own cache; the next conversation takes a finished one's place.
+Exactness (fp32): a batched step's logits differ from batch-1's in the last bits (~1e-6:
+BLAS sums a 4-row product in another order than a 1-row one), as HF's re-prefill differs
+from a carried cache; greedy tokens were identical in every comparison made
+(tests/unit/test_regenerate.py, `jobs.benchmark regenerate`): they can part only where
+two logits tie within that noise. Unusable records come back as quarantine entries
+(`too_long`, `template_error`, `empty_answer`), never as exceptions.
+torch + transformers only: the Ray stage (pipelines/stages/regenerate.py) wraps it."""
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from dlite.data import chat
+from dlite.data.formats import Quarantine
+from dlite.decoding.decode import _cache_kwarg, _device, crop_cache, new_cache, target_forward
+from dlite.decoding.verify import sample_token
+
+SHARE_MIN = 32  # shorter common prefixes are not worth a cache copy
+
+
+@dataclass
+class _Row:
+    """One (conversation, sample) being regenerated."""
+    rec: dict
+    sample: int
+    generator: Optional[torch.Generator]
+    out: list = field(default_factory=list)  # the regenerated conversation so far
+    at: int = 0                               # next input message to read
+    ids: List[int] = field(default_factory=list)  # tokens whose keys/values `cache` holds
+    cache: object = None
+    logits: Optional[torch.Tensor] = None  # the next token's, after a prefill
+    turns: int = 0
+    tokens: List[List[int]] = field(default_factory=list)  # each turn's generated ids
+    failed: Optional[Quarantine] = None
+
+
+def _common_prefix(a: List[int], b: List[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+class _Reserved(DynamicLayer):
+    """Keys/values of one layer of a batched decode, with room for more positions: each
+    step writes its column in place, where DynamicLayer concatenates (copies) the whole
+    cache (SmolLM2, 4 rows at 1.2K: ~220 MB a step, a quarter of its time)."""
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, extra: int) -> "_Reserved":
+        layer, (b, h, n, d) = cls(), keys.shape
+        layer.buf = (keys.new_empty(b, h, n + extra, d), values.new_empty(b, h, n + extra, d))
+        layer.buf[0][:, :, :n], layer.buf[1][:, :, :n] = keys, values
+        layer.keys, layer.values = layer.buf[0][:, :, :n], layer.buf[1][:, :, :n]
+        layer.is_initialized, layer.device = True, keys.device
+        return layer
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n, m = self.keys.shape[-2], key_states.shape[-2]
+        if n + m > self.buf[0].shape[-2]:  # out of room: grow as DynamicLayer does
+            self.buf = super().update(key_states, value_states, *args, **kwargs)
+            return self.buf
+        self.buf[0][:, :, n:n + m], self.buf[1][:, :, n:n + m] = key_states, value_states
+        self.keys, self.values = self.buf[0][:, :, :n + m], self.buf[1][:, :, :n + m]
+        return self.keys, self.values
+
+
+def _stack(caches: list, lens: List[int], extra: int):
+    """One batched cache, each row's keys/values right-aligned (left padding), with room
+    for `extra` decode steps, + its attention mask."""
+    from transformers import DynamicCache
+    width = max(lens)
+    out = DynamicCache()
+    for j in range(len(caches[0].layers)):
+        ks, vs = [], []
+        for c, n in zip(caches, lens):
+            pad = (0, 0, width - n, 0)  # the sequence axis is -2
+            ks.append(torch.nn.functional.pad(c.layers[j].keys, pad))
+            vs.append(torch.nn.functional.pad(c.layers[j].values, pad))
+        out.layers.append(_Reserved.holding(torch.cat(ks), torch.cat(vs), extra))
+    mask = torch.zeros(len(lens), width, dtype=torch.long)
+    for i, n in enumerate(lens):
+        mask[i, width - n:] = 1
+    return out, mask
+
+
+def _select(cache, keep: List[int]) -> None:
+    """Keep batch rows `keep` of a stacked cache (a copy of those rows, room included)."""
+    idx = torch.tensor(keep, device=cache.layers[0].keys.device)
+    for layer in cache.layers:
+        n = layer.keys.shape[-2]
+        layer.buf = (layer.buf[0][idx], layer.buf[1][idx])
+        layer.keys, layer.values = layer.buf[0][:, :, :n], layer.buf[1][:, :, :n]
+
+
+def _unstack(cache, i: int, start: int, stop: int):
+    """Row i's columns [start, stop) of a (batched) cache, as a batch-1 cache of its own
+    (a copy: DynamicCache never writes in place, but the source may be cropped later)."""
+    from transformers import DynamicCache
+    out = DynamicCache()
+    for j, layer in enumerate(cache.layers):
+        out.update(layer.keys[i:i + 1, :, start:stop].clone(),
+                   layer.values[i:i + 1, :, start:stop].clone(), j)
+    return out
+
+
+class BatchedRegenerator:
+    """Regenerates many conversations at once (see the module docstring). Greedy at
+    temperature 0; else nucleus sampling with one seeded generator per (record, sample),
+    so a row's tokens do not depend on which rows share its batch."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, samples: int = 1, batch_size: int = 8, seed: int = 0):
+        from dlite.target import eos_ids
+        if any(layer.is_sliding for layer in new_cache(model).layers):
+            # Stacked and split caches are plain full-attention layers.
+            raise ValueError(f"{type(model).__name__}: sliding-window caches are not supported")
+        self.model, self.tok = model, tokenizer
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.samples, self.batch_size, self.seed = samples, batch_size, seed
+        self.eos = set(eos_ids(model, tokenizer))
+        self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.stats = dict(records=0, turns=0, tokens_generated=0, prefill_tokens=0,
+                          prefill_s=0.0, decode_s=0.0, decode_steps=0, prefix_misses=0,
+                          shared_prefix_tokens=0)
+        self._shared = None  # (ids, batch-1 cache): the prompt prefix new rows start from
+
+    # ------------------------------------------------------------ public
+
+    def regenerate(self, messages: list, tools: list) -> list:
+        """One conversation (the `dlite.data.render.Regenerator` protocol); raises Quarantine."""
+        done, bad = self.regenerate_many([{"id": "r", "messages": messages, "tools": tools}])
+        if bad:
+            raise Quarantine(bad[0]["reason"], bad[0]["detail"])
+        return done[0]["messages"]
+
+    def regenerate_many(self, records: List[dict]) -> Tuple[List[dict], List[dict]]:
+        """(regenerated records, quarantine entries), in input order. A record is
+        {"id", "messages", "tools", ...}; each output keeps its other keys and adds
+        `sample`, `turns` and `tokens` (each turn's generated ids, the stopping EOS
+        included); past the first sample the id becomes `<id>#s<k>`."""
+        queue = [_Row(r, k, self._generator(r["id"], k)) for r in records for k in range(self.samples)]
+        live: List[_Row] = []
+        done: dict = {}
+        self.stats["records"] += len(records)
+        while queue or live:
+            while queue and len(live) < self.batch_size:
+                live.append(queue.pop(0))
+            due = []
+            for row in live:
+                res = self._advance(row)
+                if res is None:
+                    due.append(row)
+                else:
+                    done[(row.rec["id"], row.sample)] = res
+            live = due
+            if due:
+                self._turn(due)
+        return self._collate(records, done)
+
+    def _collate(self, records: List[dict], done: dict) -> Tuple[List[dict], List[dict]]:
+        """A record with any failed sample is quarantined whole (its first failure's
+        reason), so the caller's `read = written + quarantined` counts records."""
+        ok, bad = [], []
+        for r in records:
+            res = [done[(r["id"], k)] for k in range(self.samples)]
+            failed = [x for x in res if "reason" in x]
+            if failed:
+                bad.append(failed[0])
+            else:
+                ok += res
+        return ok, bad
+
+    # ------------------------------------------------------------ one row
+
+    def _generator(self, rid: str, sample: int) -> Optional[torch.Generator]:
+        if self.temperature <= 0:
+            return None
+        g = torch.Generator(device=_device(self.model))
+        g.manual_seed(zlib.crc32(f"{self.seed}:{rid}:{sample}".encode()))
+        return g
+
+    def _finish(self, row: _Row, q: Optional[Quarantine] = None) -> dict:
+        row.cache = None  # its memory goes back before the next conversation is admitted
+        rec = row.rec
+        if q is not None:
+            return {"index": rec.get("index"), "id": rec["id"], "where": rec.get("where"),
+                    "sample": row.sample, "reason": q.reason, "detail": q.detail}
+        rid = rec["id"] if row.sample == 0 else f"{rec['id']}#s{row.sample}"
+        return {**rec, "id": rid, "sample": row.sample, "messages": row.out, "turns": row.turns,
+                "tokens": row.tokens}
+
+    def _advance(self, row: _Row) -> Optional[dict]:
+        """Copy recorded messages up to the next assistant turn and prefill its prompt:
+        None when the row is due a turn, else its final result (done or quarantined)."""
+        if row.failed is not None:
+            return self._finish(row, row.failed)
+        msgs = row.rec["messages"]
+        while row.at < len(msgs) and msgs[row.at]["role"] != "assistant":
+            row.out.append(msgs[row.at])
+            row.at += 1
+        if row.at < len(msgs):
+            row.at += 1  # the recorded assistant turn, replaced by the one generated now
+        elif row.out and row.out[-1]["role"] == "assistant":
+            return self._finish(row)
+        try:
+            text = chat.render(self.tok, row.out, row.rec.get("tools"), True)
+        except Exception as e:  # a template that cannot render this history
+            return self._finish(row, Quarantine("template_error", f"turn {row.turns}: {e}"))
+        prompt = self.tok(text, add_special_tokens=False)["input_ids"]
+        if len(prompt) >= self.max_positions:
+            return self._finish(row, Quarantine(
+                "too_long", f"turn {row.turns}: a {len(prompt)}-token history, the target has "
+                            f"{self.max_positions} positions"))
+        self._prefill(row, prompt)
+        return None
+
+    @torch.inference_mode()
+    def _prefill(self, row: _Row, prompt: List[int]) -> None:
+        """Run the part of `prompt` the row's cache lacks; keeps the last logits on the row."""
+        if row.cache is None:
+            row.cache, keep = self._start(prompt)
+        else:
+            keep = _common_prefix(row.ids, prompt[:-1])
+            if keep < len(row.ids):
+                self.stats["prefix_misses"] += 1
+                crop_cache(row.cache, keep)
+        t0 = time.perf_counter()
+        ids = torch.tensor(prompt[keep:], device=_device(self.model))
+        row.logits = target_forward(self.model, ids, keep, row.cache, logits_to_keep=1)[-1]
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        self.stats["prefill_tokens"] += len(prompt) - keep
+        if self._shared is None:
+            self._shared = (list(prompt), _unstack(row.cache, 0, 0, len(prompt)))
+        row.ids = list(prompt)
+
+    def _start(self, prompt: List[int]):
+        """A new row's (cache, tokens it holds): a copy of the shared prefix when this
+        prompt begins with >= SHARE_MIN of its tokens (agent corpora repeat one system
+        prompt + tool schemas in every conversation), else an empty cache. The shared
+        prefix shrinks to what the prompts sharing it have in common."""
+        if self._shared is not None:
+            ids, cache = self._shared
+            c = _common_prefix(ids, prompt[:-1])
+            if c >= SHARE_MIN:
+                if c < len(ids):
+                    self._shared = (ids[:c], _unstack(cache, 0, 0, c))
+                self.stats["shared_prefix_tokens"] += c
+                return _unstack(cache, 0, 0, c), c
+        return new_cache(self.model), 0
+
+    def _pick(self, logits: torch.Tensor, row: _Row) -> int:
+        return sample_token(logits, self.temperature, self.top_p, 0, row.generator)
+
+    # ------------------------------------------------------------ one batched turn
+
+    @torch.inference_mode()
+    def _turn(self, rows: List[_Row]) -> None:
+        """Decode one assistant turn for every row, stacked; a row that stops leaves the
+        batch at once (its slice split back), so the others' steps stop paying for it."""
+        lens = [len(r.ids) for r in rows]
+        budget = [min(self.max_new_tokens, self.max_positions - n) for n in lens]
+        outs = [[self._pick(r.logits, r)] for r in rows]
+        t0 = time.perf_counter()
+        if len(rows) == 1:
+            cache, mask, width = rows[0].cache, None, lens[0]
+        else:
+            cache, mask = _stack([r.cache for r in rows], lens, max(budget))
+            width, mask = mask.shape[1], mask.to(_device(self.model))
+            for r in rows:  # the stacked copy is the only one until the turn is split back
+                r.cache = None
+        active, steps = list(range(len(rows))), 0  # batch row b decodes rows[active[b]]
+        while True:
+            stopped = [b for b, i in enumerate(active) if outs[i][-1] in self.eos or len(outs[i]) >= budget[i]]
+            for b in stopped:
+                i = active[b]
+                self._answer(rows[i], outs[i], cache, b, width - lens[i], width + len(outs[i]) - 1)
+            active = [i for b, i in enumerate(active) if b not in stopped]
+            if not active:
+                break
+            if stopped:
+                keep = [b for b in range(len(active) + len(stopped)) if b not in stopped]
+                _select(cache, keep)
+                mask = mask[keep]
+            logits = self._step(cache, mask, [outs[i][-1] for i in active], [lens[i] + steps for i in active])
+            steps += 1
+            mask = None if mask is None else torch.nn.functional.pad(mask, (0, 1), value=1)
+            for b, i in enumerate(active):
+                outs[i].append(self._pick(logits[b], rows[i]))
+        self.stats["decode_s"] += time.perf_counter() - t0
+        self.stats["decode_steps"] += steps
+
+    def _step(self, cache, mask, last: List[int], pos: List[int]) -> torch.Tensor:
+        """One decode step of every row: logits [B, V]."""
+        dev = _device(self.model)
+        kw = {_cache_kwarg(type(self.model)): cache}
+        if mask is not None:
+            kw["attention_mask"] = torch.nn.functional.pad(mask, (0, 1), value=1)
+        out = self.model(input_ids=torch.tensor(last, device=dev)[:, None],
+                         position_ids=torch.tensor(pos, device=dev)[:, None], use_cache=True,
+                         logits_to_keep=1, **kw)
+        return out.logits[:, -1]
+
+    def _answer(self, row: _Row, toks: List[int], cache, i: int, start: int, stop: int) -> None:
+        """Row i's turn: the answer appended (its text without the stopping EOS), the
+        cache slice of prompt + answer (bar the last token, never fed) kept as the row's."""
+        if row.cache is not cache:
+            row.cache = _unstack(cache, i, start, stop)
+        row.ids = row.ids + toks[:-1]
+        row.turns += 1
+        row.tokens.append(toks)
+        self.stats["turns"] += 1
+        self.stats["tokens_generated"] += len(toks)
+        text = self.tok.decode(toks[:-1] if toks[-1] in self.eos else toks, skip_special_tokens=False)
+        if not text.strip():
+            row.failed = Quarantine("empty_answer", f"turn {row.turns - 1}: nothing generated")
+        row.out.append({"role": "assistant", "content": text})

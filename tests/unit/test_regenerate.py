@@ -1,0 +1,140 @@
+"""The batched regenerator (`dlite.decoding.regenerate`) on the tiny built-in target in fp32:
+greedy answers token for token those of batch-1 plain decoding and of `HFRegenerator`
+(several multi-turn conversations of very different lengths, batch of 3 with rows
+admitted as others finish), the cache carried between turns (prefill only of what is
+new), sampling reproducible whatever the batch, failures as quarantine entries, and the
+stage's place in the DAG and its config keys."""
+
+import copy
+
+import pytest
+from omegaconf import OmegaConf
+
+from dlite import tiny
+from dlite.corpus import trajectories as corpus
+from dlite.data import chat, formats
+from dlite.decoding.regenerate import BatchedRegenerator
+from dlite.data.render import HFRegenerator
+from dlite.decoding.decode import plain_generate
+from dlite.target import eos_ids
+
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny.load_target(), tiny.load_tokenizer()
+
+
+def _first_turns(messages: list, n: int) -> list:
+    """The messages before the (n+1)-th assistant turn."""
+    out, seen = [], 0
+    for m in messages:
+        if m["role"] == "assistant":
+            if seen == n:
+                break
+            seen += 1
+        out.append(m)
+    return out
+
+
+@pytest.fixture(scope="module")
+def records():
+    """5 conversations, ~1K to ~4K tokens of history, 2-4 assistant turns (the cut after a
+    tool result makes the regenerator add a final turn)."""
+    raw = list(corpus.generate("train", 3, 1, 3000, 5000)) + list(corpus.generate("heldout", 2, 2, 9000, 16000))
+    out = []
+    for i, r in enumerate(raw):
+        r = formats.normalise(formats.to_canonical(r, f"c:{i}"))
+        out.append({**r, "index": i, "messages": _first_turns(r["messages"], 2 + i % 3)})
+    return out
+
+
+def test_greedy_equals_batch1_plain_decoding_and_hf_regenerator(target, records):
+    model, tok = target
+    regen = BatchedRegenerator(model, tok, NEW, batch_size=3)
+    done, bad = regen.regenerate_many(records)
+    assert bad == [] and [d["id"] for d in done] == [r["id"] for r in records]
+    hf = HFRegenerator(model, tok, NEW)
+    eos = eos_ids(model, tok)
+    for rec, d in zip(records, done):
+        assert d["messages"] == hf.regenerate(rec["messages"], rec["tools"])
+        k = 0
+        for i, m in enumerate(d["messages"]):
+            if m["role"] != "assistant":
+                continue
+            prompt = tok(chat.render(tok, d["messages"][:i], rec["tools"], True),
+                         add_special_tokens=False)["input_ids"]
+            assert d["tokens"][k] == plain_generate(model, prompt, NEW, eos_ids=eos)[0]
+            k += 1
+        assert k == d["turns"] >= 2
+    s = regen.stats
+    assert s["turns"] == sum(d["turns"] for d in done) and s["tokens_generated"] > 0
+    # Carried caches: every history token is prefilled once (not once per turn).
+    full = sum(len(tok(chat.render(tok, d["messages"], rec["tools"]), add_special_tokens=False)["input_ids"])
+               for rec, d in zip(records, done))
+    assert s["prefill_tokens"] <= full
+    assert s["decode_steps"] < s["tokens_generated"]  # rows shared decode steps
+    assert s["shared_prefix_tokens"] > 0  # one system prompt + tools, prefilled once
+
+
+def test_sampling_is_reproducible_whatever_the_batch(target, records):
+    model, tok = target
+    runs = [BatchedRegenerator(model, tok, 12, temperature=1.0, top_p=0.9, samples=2, batch_size=b,
+                               seed=3).regenerate_many(records[:3])[0] for b in (1, 4)]
+    assert [d["id"] for d in runs[0]] == [i for r in records[:3] for i in (r["id"], r["id"] + "#s1")]
+    assert [d["tokens"] for d in runs[0]] == [d["tokens"] for d in runs[1]]
+    assert runs[0][0]["tokens"] != runs[0][1]["tokens"]  # two samples, two answers
+
+
+def test_failures_are_quarantined_not_raised(target, records):
+    model, tok = target
+    huge = {"id": "huge", "index": 7, "where": "f:8", "tools": [],
+            "messages": [{"role": "user", "content": "read this " * 40000}]}  # > 32768 positions
+    done, bad = BatchedRegenerator(model, tok, 4, batch_size=2).regenerate_many([records[0], huge])
+    assert [d["id"] for d in done] == [records[0]["id"]]
+    assert [(b["id"], b["index"], b["where"], b["reason"]) for b in bad] == [("huge", 7, "f:8", "too_long")]
+    broken = copy.deepcopy(tok)
+    broken.chat_template = "{{ raise_exception('this template renders nothing') }}"
+    done, bad = BatchedRegenerator(model, broken, 4).regenerate_many(records[:1])
+    assert done == [] and bad[0]["reason"] == "template_error" and "renders nothing" in bad[0]["detail"]
+    with pytest.raises(formats.Quarantine, match="too_long"):
+        BatchedRegenerator(model, tok, 4).regenerate(huge["messages"], [])
+
+
+def test_a_cut_answer_still_extends_the_cache(target):
+    """An answer cut by the token budget ends without <|im_end|>; the next prompt (the
+    template closes the turn) still starts with the cached tokens, so turn 2 prefills
+    only what follows them."""
+    model, tok = target
+    regen = BatchedRegenerator(model, tok, 6)
+    msgs = [{"role": "user", "content": "list the files"}, {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "now read setup.py"}, {"role": "assistant", "content": "y"}]
+    (d,), _ = regen.regenerate_many([{"id": "a", "messages": msgs, "tools": []}])
+    assert d["turns"] == 2 and len(d["tokens"][0]) == 6 and regen.stats["prefix_misses"] == 0
+    second = tok(chat.render(tok, d["messages"][:3], [], True), add_special_tokens=False)["input_ids"]
+    assert regen.stats["prefill_tokens"] == len(second) - 5  # the first answer's fed tokens
+
+
+def test_the_dag_runs_regenerate_before_collect_only_when_asked(tmp_path):
+    """`data.regenerate=true` adds the stage (not a run.stages name) and feeds collect;
+    off, the plan and collect's hash are what they were before the stage existed (the
+    new data.regen_* keys are hash-neutral at their defaults)."""
+    import dataclasses
+    from dlite.config import ConfigError, load_config
+    from pipelines.orchestration import dag
+    out = [f"run.output_dir={tmp_path}"]
+    on = {s.name: s for s in dag.plan(load_config("configs/experiments/tiny.yaml", out + ["data.regenerate=true"]))}
+    assert list(on)[:2] == ["regenerate", "collect"] and on["collect"].deps == ["regenerate"]
+    cfg = load_config("configs/experiments/tiny.yaml", out)
+    off = {s.name: s for s in dag.plan(cfg)}
+    assert "regenerate" not in off and off["collect"].deps == []
+    before = dataclasses.replace(dag.BY_NAME["collect"], deps=())
+    plain = OmegaConf.create(OmegaConf.to_container(cfg))
+    for k in ("regen_temperature", "regen_top_p", "regen_samples", "regen_batch_size"):
+        del plain.data[k]  # the config as it was before these keys
+    assert off["collect"].hash == dag._stage_hash(plain, before, {}, dag.target_identity(cfg))
+    with pytest.raises(ConfigError, match="data.regen_samples"):
+        load_config("configs/experiments/tiny.yaml", ["data.regen_samples=2"])
+    with pytest.raises(ConfigError, match="data.regen_top_p"):
+        load_config("configs/experiments/tiny.yaml", ["data.regen_top_p=0"])
