@@ -48,41 +48,6 @@ def one_thread():
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` on a free localhost port (SQLite backend, local artifact
     dir, one worker) for the whole session; yields its http:// tracking URI."""
-    import socket
-    import subprocess
-    import time
-    import urllib.request
-    root = tmp_path_factory.mktemp("mlflow_server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mlflow = Path(sys.executable).with_name("mlflow")
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen(
-        [str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, cwd=root,
-        # The server's background job runners (three huey consumers) are for GenAI
-        # features we do not use; on 2 cores they only take CPU from the tests.
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300  # a loaded 2-core machine takes minutes to import it
-    while True:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
-        time.sleep(0.5)
-    yield uri
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    from tests.mlflow_servers import mlflow_server as serve
+    with serve(tmp_path_factory.mktemp("mlflow_server")) as uri:
+        yield uri

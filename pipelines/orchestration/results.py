@@ -62,7 +62,7 @@ def val_vs_heldout(best_val_tau: Dict[str, Optional[float]], heldout_tau: Dict[s
         val, tau = best_val_tau.get(stage), heldout_tau.get(name)
         if val is None or tau is None:
             continue
-        r = val / tau if tau else None
+        r = round(val / tau, 4) if tau else None
         out[name] = {"val_tau": val, "heldout_tau": tau, "val_over_heldout": r,
                      "within_10pct": None if r is None else abs(r - 1) <= 0.10}
     return out

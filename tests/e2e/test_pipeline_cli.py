@@ -72,7 +72,7 @@ def test_pipeline_runs_every_stage(pipeline_run, mlflow_server):
     for name, stage in (("dlite", "align"), ("dlite_no_teacher", "align_no_teacher"), ("dspark", "dspark")):
         v = s["val_vs_heldout"][name]
         assert v["val_tau"] == s["results"][stage]["best_val_tau"] and v["heldout_tau"] == ev["methods"][name]["tau"]
-        assert v["val_over_heldout"] == pytest.approx(v["val_tau"] / v["heldout_tau"])
+        assert v["val_over_heldout"] == round(v["val_tau"] / v["heldout_tau"], 4)
     assert "plain decoding" in first.stdout and "MLflow run: http://" in first.stdout
     assert s["results"]["publish"]["version"]
 

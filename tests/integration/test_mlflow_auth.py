@@ -17,15 +17,15 @@ registered model and grants the pipeline's service user EDIT on them (infra/READ
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
+
+from tests.mlflow_servers import mlflow_server
 
 ADMIN, PIPELINE, REVIEWER = ("admin", "admin-pw-7f3a9c"), ("dlite-pipeline", "pipe-pw-2b8e41"), \
     ("reviewer", "review-pw-c51d07")
@@ -33,27 +33,6 @@ EXPERIMENT, MODEL = "auth-e2e", "dlite-tiny-auth"
 # The smallest pipeline that still trains, evaluates and publishes (the DLite drafter
 # only, no teacher): the point here is who may write, not the drafter.
 STAGES = ["run.stages=[collect,align,evaluate,publish]", "train.skip_teacher=true"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(uri: str, proc, log: Path, timeout: float = 300) -> None:
-    deadline = time.time() + timeout  # a loaded 2-core machine takes minutes to import it
-    while True:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"mlflow server did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -64,27 +43,10 @@ def auth_server(tmp_path_factory):
     ini.write_text("[mlflow]\ndefault_permission = READ\n"
                    f"database_uri = sqlite:///{root / 'auth.db'}\nadmin_username = {ADMIN[0]}\n"
                    "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-    port, log_path = _free_port(), root / "server.log"
-    env = {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN[1],
-           "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only-secret-key",
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # GenAI job runners: CPU we need
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("mlflow")), "server", "--app-name", "basic-auth",
-             "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-             "--artifacts-destination", str(root / "artifacts")],
-            stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(uri, proc, log_path)
+    env = {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN[1],
+           "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only-secret-key"}
+    with mlflow_server(root, ["--app-name", "basic-auth"], env) as uri:
         yield uri
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @contextlib.contextmanager

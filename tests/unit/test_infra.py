@@ -333,7 +333,7 @@ def test_no_secret_value_in_any_manifest():
     assert not [k for k in runtime_env if k.startswith("MLFLOW_TRACKING_") or SECRET_NAME.search(k)]
     ini = AUTH_INI.read_text()
     assert not re.search(r"^\s*admin_password\s*=", ini, re.M)
-    assert "DB_PASSWORD" in ini and f"sed 's#DB_PASSWORD#" in README  # a placeholder, filled in the Secret
+    assert "DB_PASSWORD" in ini and "sed 's#DB_PASSWORD#" in README  # a placeholder, filled in the Secret
 
 
 def test_the_mlflow_server_runs_the_basic_auth_app_configured_from_a_secret():
