@@ -49,6 +49,15 @@ def _cache_kwarg(model_cls) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _new_state(drafter, prompt_ids):
+    """The drafter's per-generation state; one whose query reads the token before the
+    anchor (`reads_prompt`: dlite_v1's G=2 group) is given the prompt, so its first round
+    knows that token as every later one does."""
+    if getattr(drafter, "reads_prompt", False):
+        return drafter.new_state([int(x) for x in torch.as_tensor(prompt_ids).reshape(-1)])
+    return drafter.new_state()
+
+
 def new_cache(model) -> DynamicCache:
     """An empty KV cache: the target's own kind where it makes one (`new_cache()`), else
     transformers' DynamicCache (no HF model defines `new_cache`)."""
@@ -198,7 +207,7 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, tempe
     with LayerCapture(target, layers) as cap:
         cache = pre.fresh_cache() if prefilled is not None else pre.cache  # its own: no copy
         feats = pre.features(layers, history)
-        t, anchor, state = pre.t, sample_token(pre.logits, **sampling), drafter.new_state()
+        t, anchor, state = pre.t, sample_token(pre.logits, **sampling), _new_state(drafter, prompt_ids)
         done = _extend(out, [anchor], eos, max_new_tokens)
         while not done:
             start = time.perf_counter()

@@ -104,14 +104,15 @@ def speedup_spread(pairs: Sequence[tuple]) -> dict:
     task): per-pair ratios, min / median / max, and a one-sided lower bound -- the 5th
     percentile of the pooled ratio over bootstrap resamples of the pairs. Fewer than 3
     pairs cannot say how noisy the machine is: the bound is then the smallest pair."""
-    ratios = [r for p in pairs if (r := _pooled([p])) is not None]
-    out = {"n_pairs": len(ratios), "per_pair": [round(r, 4) for r in ratios], "pooled": _pooled(pairs)}
+    good = [p for p in pairs if _pooled([p]) is not None]  # a pair without time or tokens says nothing
+    ratios = [_pooled([p]) for p in good]
+    out = {"n_pairs": len(ratios), "per_pair": [round(r, 4) for r in ratios], "pooled": _pooled(good) if good else None}
     if not ratios:
         return {**out, "min": None, "median": None, "max": None, "lower_bound": None, "lower_bound_method": None}
     out.update(min=min(ratios), median=statistics.median(ratios), max=max(ratios))
     if len(ratios) < 3:
         return {**out, "lower_bound": min(ratios), "lower_bound_method": "min over < 3 pairs"}
-    rng, good = random.Random(BOOTSTRAP_SEED), [p for p in pairs if _pooled([p]) is not None]
+    rng = random.Random(BOOTSTRAP_SEED)
     boot = sorted(_pooled([rng.choice(good) for _ in good]) for _ in range(BOOTSTRAP_RESAMPLES))
     return {**out, "lower_bound": boot[int(LOWER_QUANTILE * len(boot))],
             "lower_bound_method": f"bootstrap p{LOWER_QUANTILE * 100:g} of the pooled ratio, "

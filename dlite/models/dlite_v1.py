@@ -34,10 +34,10 @@ refuses anything else) or, with our LEARNED_MASK, our learned row (not exportabl
 
 One gap the decoding interface leaves: `draft` gets the anchor, not the token before
 it. The state rebuilds it from the previous round (the pivot is the previous anchor
-or one of the drafts it accepted); in a generation's first round it is only known
-when `new_state(prompt_ids)` was given the prompt, else that round's query is
-[anchor, MASK...] with an unprimed head -- their own path for a group that is cut
-short at the start of a sequence. Inside a hybrid (`dlite.decoding.lookup`), rounds the
+or one of the drafts it accepted); in a generation's first round it is the prompt's
+last token, which the decoding loop passes to `new_state(prompt_ids)` because this
+drafter says `reads_prompt`. Without it that round's query is [anchor, MASK...] with
+an unprimed head -- their own path for a group cut short at the start of a sequence. Inside a hybrid (`dlite.decoding.lookup`), rounds the
 lookup drafts are unseen here, so the rebuilt pivot can be stale. Decoding stays
 lossless either way; only that round's draft quality is at stake."""
 
@@ -106,6 +106,7 @@ class DLiteV1Drafter(nn.Module):
     weight `final_norm_weight` [H] (see the module docstring)."""
 
     needs_history = False
+    reads_prompt = True  # the decoding loop passes the prompt to new_state (the first pivot)
 
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                  mask_token_id: int, draft_vocab=None, final_norm_weight: Optional[torch.Tensor] = None):

@@ -96,11 +96,14 @@ def _rename(state: dict, to_theirs: bool) -> dict:
 def export_published(src, out_dir) -> Path:
     """Write our dlite_v1 artifact `src` in the authors' layout at `out_dir` (config.json
     last, as `dlite.export.save_drafter`). Reads files only: no target needed."""
+    out = Path(out_dir)
+    if out.resolve() == Path(src).resolve() or (out / "config.json").exists():
+        # would overwrite our artifact (read through mmap) or mix two drafters' files
+        raise ArtifactError(f"--out {out}: already holds a drafter's config.json; write to a new directory")
     config = read_config(src)
     theirs = _published_config(config)
     state = load_file(str(Path(src) / WEIGHTS))
     state.pop("target_norm_weight", None)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(_rename(state, True), str(out / WEIGHTS), metadata={"format": "pt"})  # HF wants "pt"
     (out / "config.json").write_text(json.dumps(theirs, indent=2))

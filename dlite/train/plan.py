@@ -82,19 +82,25 @@ def drafter_config(cfg, arch: str) -> DrafterConfig:
 
 # ---------------------------------------------------------------- models
 
-def load_vocab(target_cfg, dtype=torch.float32) -> tuple:
-    """(embed, lm_head, mask_id) read straight from the target's safetensors: a worker
-    needs these two matrices, not a whole 8B target in memory."""
+def _target_tensors(target_cfg, names, dtype) -> dict:
+    """{name: tensor} of those `names` found in the target's safetensors files, read
+    file by file (a worker needs a few matrices, not a whole 8B target in memory)."""
     from safetensors import safe_open
+    found = {}
+    for f in sorted(tgt.target_dir(target_cfg).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in names:
+                if name in sf.keys():
+                    found[name] = sf.get_tensor(name).to(dtype)
+    return found
+
+
+def load_vocab(target_cfg, dtype=torch.float32) -> tuple:
+    """(embed, lm_head, mask_id) read straight from the target's safetensors."""
     from transformers import AutoConfig
     d = tgt.target_dir(target_cfg)
     conf = AutoConfig.from_pretrained(d)
-    found = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in ("model.embed_tokens.weight", "lm_head.weight"):
-                if name in sf.keys():
-                    found[name] = sf.get_tensor(name).to(dtype)
+    found = _target_tensors(target_cfg, ("model.embed_tokens.weight", "lm_head.weight"), dtype)
     embed = found["model.embed_tokens.weight"]
     lm_head = found.get("lm_head.weight", embed if conf.tie_word_embeddings else None)
     if lm_head is None:
@@ -106,12 +112,10 @@ def load_vocab(target_cfg, dtype=torch.float32) -> tuple:
 def load_final_norm(target_cfg, dtype=torch.float32) -> torch.Tensor:
     """The target's final-norm weight (`model.norm.weight`), which the published DLite
     design applies to the last context layer (`dlite.models.dlite_v1`)."""
-    from safetensors import safe_open
-    for f in sorted(tgt.target_dir(target_cfg).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            if "model.norm.weight" in sf.keys():
-                return sf.get_tensor("model.norm.weight").to(dtype)
-    raise ValueError(f"target.path: no model.norm.weight in {tgt.target_dir(target_cfg)}")
+    found = _target_tensors(target_cfg, ("model.norm.weight",), dtype)
+    if "model.norm.weight" not in found:
+        raise ValueError(f"target.path: no model.norm.weight in {tgt.target_dir(target_cfg)}")
+    return found["model.norm.weight"]
 
 
 def teacher_dir(path: str) -> Path:

@@ -102,17 +102,30 @@ def _check_permissions(uri: str, resources: list, timeout: float) -> None:
     user = read_mlflow_creds().username
     if not user or not resources:
         return
-    me = _request(uri, "/api/2.0/mlflow/users/get", {"username": user}, timeout)
-    if me.status_code != 200 or me.json().get("user", {}).get("is_admin"):
+    me = _json(_request(uri, "/api/2.0/mlflow/users/get", {"username": user}, timeout), uri)
+    if me is None or me.get("user", {}).get("is_admin"):
         return
     for kind, resource_id, name in resources:
         r = _request(uri, "/api/3.0/mlflow/users/permissions/get",
                      {"username": user, "resource_type": kind, "resource_id": resource_id}, timeout)
-        have = r.json().get("permission") if r.status_code == 200 else f"HTTP {r.status_code}"
+        answer = _json(r, uri)
+        have = answer.get("permission") if answer is not None else f"HTTP {r.status_code}"
         if have not in _WRITE:
             raise TrackingError(f"MLflow tracking server {uri}: user {user!r} has {have} on "
                                 f"{kind.replace('_', ' ')} {name!r}; this job needs EDIT (403 on "
                                 f"its first write): ask an MLflow admin to grant it ({_HELP})")
+
+
+def _json(r, uri: str) -> Optional[dict]:
+    """A 200 answer's JSON (None for any other status); one line, not a traceback, when
+    a 200 is not JSON (a proxy's login page)."""
+    if r.status_code != 200:
+        return None
+    try:
+        return r.json()
+    except ValueError:
+        raise TrackingError(f"{uri} answered with something other than MLflow's JSON: is "
+                            f"tracking.uri / MLFLOW_TRACKING_URI an MLflow server?") from None
 
 
 def _reason(e: Exception) -> str:

@@ -66,9 +66,13 @@ def heldout_records(cfg) -> list:
 
 
 def _artifact(drafter_dir) -> tuple:
-    """(the artifact's config.json, its architecture: `dlite`, `teacher` or `dspark`;
-    older artifacts say `arch`, the oldest nothing: DLite)."""
+    """(the artifact's config.json, its architecture: `dlite`, `dlite_v1`, `teacher` or
+    `dspark`; older artifacts say `arch`, the oldest nothing: DLite; a directory in the
+    authors' published layout is `dlite_v1`)."""
+    from dlite.models import dlite_v1_io
     conf = json.loads((Path(drafter_dir) / "config.json").read_text())
+    if dlite_v1_io.is_published(Path(drafter_dir)):
+        return conf, "dlite_v1"
     return conf, conf.get("architecture", conf.get("arch", "dlite"))
 
 

@@ -27,8 +27,10 @@ MANUAL = "dlite.manual"
 
 
 def actor() -> str:
-    """The MLflow user this process writes as (basic auth), else the OS user."""
-    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    """The MLflow user this process writes as (basic auth: the env vars or
+    ~/.mlflow/credentials, as every MLflow client reads them), else the OS user."""
+    from mlflow.utils.credentials import read_mlflow_creds
+    user = read_mlflow_creds().username
     if user:
         return user
     try:
@@ -89,7 +91,10 @@ def audit_production(c, name: str) -> List[str]:
         out.append(f"{name}: production -> v{prod}, which the release gate did not pass "
                    f"({GATE}={tags.get(GATE, 'missing')}){manual}")
     set_by_gate = rm.tags.get(f"{GATE}.production_version")
-    if set_by_gate != prod:
+    # A registry whose gate set production before moves were recorded has no record:
+    # a passed version there is the gate's, not someone else's.
+    unrecorded = set_by_gate is None and tags.get(GATE) == "passed" and f"{GATE}.alias_set_by" not in tags
+    if set_by_gate != prod and not unrecorded:
         last = (f"the gate last set v{set_by_gate} ({rm.tags.get(f'{GATE}.production_set_by')} at "
                 f"{rm.tags.get(f'{GATE}.production_set_at')})" if set_by_gate else
                 "the gate never set production")

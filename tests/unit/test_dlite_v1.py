@@ -105,6 +105,17 @@ def test_greedy_speculative_decoding_is_lossless(tiny):
         assert speculative_generate(model, hybrid, prompt, 40)[0] == plain
 
 
+def test_the_first_round_knows_the_token_before_the_anchor(tiny):
+    """The decoding loop hands a `reads_prompt` drafter the prompt, so the first round's
+    G=2 query is [prompt's last token, anchor] as in training; others get new_state()."""
+    from dlite.decoding.decode import _new_state
+    d = _drafter(tiny)
+    assert _new_state(d, torch.tensor([5, 17, 99])) == {"pos": 2, "anchor": 99, "draft": []}
+    assert d._pivot(_new_state(d, [5, 17, 99]), anchor_pos=3) == 99
+    lookup = PromptLookupDrafter([5, 17, 99], 4096, gamma=7)
+    assert _new_state(lookup, [5, 17, 99]).ids == lookup.new_state().ids
+
+
 def test_trains_through_the_shared_loop(tiny):
     cfg, model, tok, _, _ = tiny
     recs = list(corpus.generate("train", 4, 0, 3000, 6000))
@@ -161,6 +172,13 @@ def test_export_writes_the_published_layout(exported):
     assert state["sequential_head.prev_token_embedding.weight"].shape == (4096, 32)
     assert state["sequential_head.output_proj.weight"].shape == (4096, 32)
     assert state["sequential_head.state_proj.weight"].shape == (64, 64)
+    from dlite.export import ArtifactError
+    from dlite.models.dlite_v1_io import export_published
+    before = (root / "ours" / "model.safetensors").read_bytes()
+    for out in (root / "ours", root / "theirs"):  # never over a drafter (ours would be destroyed)
+        with pytest.raises(ArtifactError, match="already holds a drafter"):
+            export_published(root / "ours", out)
+    assert (root / "ours" / "model.safetensors").read_bytes() == before
     assert state["sequential_head.state_hidden_mlp.weight"].shape == (32, 32 + 128)
     assert state["layer_depth_embedding.weight"].shape == (2, 128)
     assert "published dlite_v1 layout" in check_artifact(root / "theirs")
