@@ -208,6 +208,7 @@ ENUMS = {
     "data.storage_mode": {"full", "anchors"},
     "data.reference": {"last_hidden", "topk"},
     "data.length_policy": {"truncate", "split", "drop"},
+    "data.corpus": {"builtin", "agent", "mixed"},
     "train.precision": {"fp32", "bf16"},
     "target.dtype": {"float32", "bfloat16", "float16"},
     "target.attn_implementation": {"sdpa", "sdpa_packed_gqa", "eager", "flash_attention_2"},
@@ -364,6 +365,18 @@ def _check_cluster(c: DictConfig) -> None:
         _require(c.gpus_per_worker == 0, "cluster.gpus_per_worker", "> 0 without use_gpu")
 
 
+def _check_extra_prompts(d) -> None:
+    """Prompts are answered by the target (the regenerate stage) and join the built-in
+    corpus' input file; the file must exist now, not fail a stage later."""
+    _require(d.extra_prompts_limit >= 0, "data.extra_prompts_limit", f"must be >= 0, got {d.extra_prompts_limit}")
+    if not d.extra_prompts:
+        return
+    _require(d.regenerate, "data.extra_prompts", "needs data.regenerate=true (the target writes the answers)")
+    _require(not d.train_path, "data.extra_prompts",
+             "joins the built-in corpus only; with data.train_path, add the prompts to that input")
+    _require(Path(d.extra_prompts).is_file(), "data.extra_prompts", f"no such file: {d.extra_prompts}")
+
+
 def _check_data_train_eval(cfg: DictConfig) -> None:
     d, t, e = cfg.data, cfg.train, cfg.eval
     _require(d.min_chars <= d.max_chars, "data.min_chars",
@@ -372,9 +385,7 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
     _require(0 < d.regen_top_p <= 1, "data.regen_top_p", f"not in (0, 1]: {d.regen_top_p}")
     _require(d.regen_samples == 1 or d.regen_temperature > 0, "data.regen_samples",
              f"{d.regen_samples} samples at data.regen_temperature=0 would be identical copies")
-    _require(cfg.drafter.arch != "dlite_v1" or t.skip_teacher, "train.skip_teacher",
-             "drafter.arch=dlite_v1 trains from scratch here (its published teacher recipe is "
-             "not built yet): set train.skip_teacher=true")
+    _check_extra_prompts(d)
     _require(t.skip_teacher or t.steps_teacher > 0, "train.steps_teacher",
              f"must be > 0 unless train.skip_teacher, got {t.steps_teacher}")
     _require(t.zero_stage is None or 0 <= t.zero_stage <= 3, "train.zero_stage",
@@ -399,7 +410,29 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
     _require(lo <= hi, "eval.min_chars", f"{lo} > eval.max_chars={hi}")
     _require(e.num_workers is None or e.num_workers > 0, "eval.num_workers",
              f"must be > 0 (or null), got {e.num_workers}")
+    _check_recipe(cfg)
     _check_eval_methods(e)
+
+
+def _check_recipe(cfg: DictConfig) -> None:
+    """The align stage's recipe keys (`dlite.train.plan`) and the teacher's window."""
+    t, w = cfg.train, cfg.drafter.history_window
+    _require(t.recipe in ("teacher_init", "published"), "train.recipe",
+             f"'teacher_init' or 'published', got {t.recipe!r}")
+    _require(0 <= t.blend_frac <= 1 and t.distill_frac + t.blend_frac <= 1, "train.blend_frac",
+             f"{t.blend_frac}: must be in [0, 1] with train.distill_frac + blend_frac <= 1")
+    for key in ("ce_weight", "tv_weight", "kl_weight"):
+        _require(t[key] >= 0, f"train.{key}", f"must be >= 0, got {t[key]}")
+    _require(t.ce_weight + t.tv_weight > 0, "train.ce_weight", "ce_weight + tv_weight must be > 0")
+    _require(t.loss_decay is None or t.loss_decay > 0, "train.loss_decay",
+             f"must be > 0 (or null: no decay), got {t.loss_decay}")
+    _require(t.ce_labels in ("data", "target_argmax"), "train.ce_labels",
+             f"'data' or 'target_argmax', got {t.ce_labels!r}")
+    _require(t.recipe == "teacher_init" or cfg.drafter.head != "none", "train.recipe",
+             "'published' copies and freezes the teacher's sequential head: drafter.head is 'none'")
+    _require(w is None or w > 0, "drafter.history_window", f"must be > 0 (or null), got {w}")
+    _require(not cfg.drafter.v1_teacher, "drafter.v1_teacher",
+             "set by the teacher stage for a dlite_v1 design (drafter.arch=dlite_v1), not in a run config")
 
 
 def _check_eval_methods(e: DictConfig) -> None:
@@ -416,3 +449,20 @@ def _check_eval_methods(e: DictConfig) -> None:
              f"{e.lookup.max_ngram} < eval.lookup.min_ngram={e.lookup.min_ngram}")
     _require(0 <= e.suffix.min_token_prob <= 1, "eval.suffix.min_token_prob",
              f"not in [0, 1]: {e.suffix.min_token_prob}")
+    _check_hybrid_scoring(e)
+
+
+def _check_hybrid_scoring(e: DictConfig) -> None:
+    """The choose / tree hybrids' verify-cost curve, tree budget and calibration set."""
+    t, c = list(e.verify_cost_tokens), list(e.verify_cost)
+    _require(len(t) == len(c) and len(t) >= 1, "eval.verify_cost",
+             f"needs one cost per eval.verify_cost_tokens entry, got {c} for {t}")
+    _require(all(x >= 1 for x in t) and t == sorted(set(t)), "eval.verify_cost_tokens",
+             f"must be increasing token counts >= 1, got {t}")
+    _require(all(x > 0 for x in c) and c == sorted(c), "eval.verify_cost",
+             f"must be positive and non-decreasing (more tokens never cost less), got {c}")
+    _require(e.tree_budget >= 1, "eval.tree_budget", f"must be >= 1, got {e.tree_budget}")
+    _require(e.calibration_trajectories >= 0, "eval.calibration_trajectories",
+             f"must be >= 0, got {e.calibration_trajectories}")
+    _require(e.calibration_max_turns is None or e.calibration_max_turns > 0, "eval.calibration_max_turns",
+             f"must be > 0 (or null), got {e.calibration_max_turns}")

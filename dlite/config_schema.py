@@ -11,9 +11,12 @@ STAGES = ["collect", "teacher", "align", "align_no_teacher", "dspark", "evaluate
 # The stages `jobs.train` runs (align_no_teacher is `align` without its teacher input).
 TRAIN_STAGES = ("teacher", "align", "dspark")
 # Training-free methods an evaluation can add (eval.baselines), and the hybrids of the
-# primary drafter with one of them (eval.hybrids: name -> the method it pairs with).
+# primary drafter with one of them (eval.hybrids: name -> the method it pairs with;
+# the name's end is the rule: none -- the match-length rule, _choose, _tree).
 BASELINES = ("prompt_lookup", "suffix")
-HYBRIDS = {"hybrid_lookup": "prompt_lookup", "hybrid_suffix": "suffix"}
+HYBRIDS = {"hybrid_lookup": "prompt_lookup", "hybrid_suffix": "suffix",
+           "hybrid_lookup_choose": "prompt_lookup", "hybrid_suffix_choose": "suffix",
+           "hybrid_lookup_tree": "prompt_lookup", "hybrid_suffix_tree": "suffix"}
 
 @dataclass
 class RunConfig:
@@ -42,6 +45,12 @@ class TargetConfig:
 class DataConfig:
     train_path: Optional[str] = None  # None: the built-in corpus
     heldout_path: Optional[str] = None
+    # The built-in corpus (dlite.corpus.build): "builtin" (synthetic JSON tool calls over the
+    # stdlib), "agent" (a scripted agent running real commands, saved as mini-swe-agent /
+    # SWE-agent / OpenHands runs) or "mixed"; its held-out split is built the same way.
+    corpus: str = "builtin"
+    extra_prompts: Optional[str] = None  # JSONL of {"turns": [...]}: one-turn conversations the target answers
+    extra_prompts_limit: int = 0  # prompts taken from data.extra_prompts (0: all)
     n_train: int = 64
     n_heldout: int = 8
     min_chars: int = 3000  # built-in corpus: rendered length of each trajectory
@@ -91,6 +100,24 @@ class TrainConfig:
     precision: Optional[str] = None  # "fp32" | "bf16" | None
     eval_every: int = 10  # 0: evaluate only at the end
     skip_teacher: bool = False  # the no-teacher ablation
+    # How the align stage uses the teacher (DLITE.md §3 and the authors' FlashMTP recipe):
+    # "teacher_init": the student starts from the teacher's shared weights and distils it
+    # with the stage-2 loss for `distill_frac` of the steps (this project's recipe);
+    # "published": the student starts from scratch except its sequential head, copied
+    # from the teacher and frozen for stage 1; stage 1 = `kl_weight` x KL(teacher || student).
+    recipe: str = "teacher_init"
+    # Share of align steps after stage 1 blending the stage-1 loss into the stage-2 loss
+    # on a cosine (stage-2 weight 0 -> 1; the authors' transition epoch). 0: a hard switch.
+    blend_frac: float = 0.0
+    # Stage-2 loss (against the target): ce_weight x CE + tv_weight x |p_draft - p_ref|_1,
+    # slot k weighted exp(-(k-1)/loss_decay) (null: every slot alike, the authors' stage 2).
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    loss_decay: Optional[float] = 4.0
+    kl_weight: float = 1.0  # recipe "published", stage 1
+    # CE's label: "data" (the row's next token) or "target_argmax" (the target's greedy
+    # token at that position, as the authors' stage 2)
+    ce_labels: str = "data"
     max_failures: int = 0  # Ray Train restarts before giving up
 
 
@@ -144,6 +171,18 @@ class EvalConfig:
     # method's match is >= hybrid_min_match tokens (then its proposal is verified).
     hybrids: List[str] = field(default_factory=list)
     hybrid_min_match: int = 2
+    # hybrid_*_choose / hybrid_*_tree (dlite.decoding.hybrid): what verifying m tokens
+    # (anchor included) costs in decode steps, linear between these points; the default
+    # is SmolLM2-135M at 4K context on this project's 2-core CPU (target_probe step costs).
+    verify_cost_tokens: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    verify_cost: List[float] = field(default_factory=lambda: [1.0, 1.4, 1.6, 2.2])
+    tree_budget: int = 16  # hybrid_*_tree: draft tokens one tree round may verify
+    # Calibration of the proposers' confidences, fitted before the reported replay on
+    # this many validation trajectories (never the reported ones: built-in held-out
+    # ones of seed run.seed + 1, or the data.heldout_path records after n_trajectories);
+    # 0: the uncalibrated defaults. Saved in the report under "calibration".
+    calibration_trajectories: int = 1
+    calibration_max_turns: Optional[int] = None  # None: eval.max_turns
     lookup_gamma: Optional[int] = None  # tokens a training-free method may propose (None: drafter.gamma)
     lookup: LookupConfig = field(default_factory=LookupConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)

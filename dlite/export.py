@@ -32,6 +32,12 @@ class ArtifactError(ValueError):
     """A drafter directory that cannot be used; the one-line message names the file."""
 
 
+# Every drafter directory `load_drafter` / `check_artifact` read, as the error names them.
+KNOWN_LAYOUTS = (f"{FORMAT} (ours: config.json format={FORMAT!r}); "
+                 "DLiteDraftModel (the authors' published dlite_v1: config.json architectures); "
+                 "DFlashDraftModel (SpecForge's DFlash, `specforge export --to hf`: config.json architectures)")
+
+
 def drafter_config_dict(model, extra_config: dict) -> dict:
     """Everything needed to rebuild the model, plus the caller's lineage fields."""
     cfg = model.cfg
@@ -129,14 +135,17 @@ def read_config(path) -> dict:
     if not path.is_dir():
         raise ArtifactError(f"{path}: no such directory (expected a {FORMAT} directory)")
     if not f.is_file():
-        raise ArtifactError(f"{f}: missing: {path} is not a {FORMAT} directory (or its save was interrupted)")
+        raise ArtifactError(f"{f}: missing: {path} is not a {FORMAT} directory (or its save was interrupted); "
+                            f"known layouts: {KNOWN_LAYOUTS}")
     try:
         config = json.loads(f.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ArtifactError(f"{f}: not valid JSON ({e})") from None
     got = config.get("format") if isinstance(config, dict) else type(config).__name__
     if got != FORMAT:
-        raise ArtifactError(f"{f}: format={got!r}: {path} is not a {FORMAT} directory")
+        arch = config.get("architectures") if isinstance(config, dict) else None
+        raise ArtifactError(f"{f}: format={got!r}, architectures={arch!r}: {path} is in no layout this "
+                            f"code reads; known layouts: {KNOWN_LAYOUTS}")
     version = config.get("format_version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ArtifactError(f"{f}: format_version {version!r}, but this code reads {FORMAT} "
@@ -155,6 +164,9 @@ def check_artifact(path, target_fingerprint=None) -> str:
     from dlite.models import dlite_v1_io  # imports this module: loaded on first use
     if dlite_v1_io.is_published(path):  # the authors' layout (`DLiteDraftModel`)
         return dlite_v1_io.check_published(path, target_fingerprint)
+    from dlite.models import dflash_peer
+    if dflash_peer.is_dflash_export(path):  # a peer's drafter (SpecForge's `DFlashDraftModel`)
+        return dflash_peer.check_dflash(path, target_fingerprint)
     config = read_config(path)
     if not (path / WEIGHTS).is_file():
         raise ArtifactError(f"{path / WEIGHTS}: missing (config.json is there: an incomplete copy?)")
@@ -229,11 +241,16 @@ def load_drafter(path, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
     """Rebuild the drafter from `path` around the target's embedding / lm_head (checked
     against the stored vocabulary and width); weights keep their stored dtype. A
     directory in the authors' published layout loads too (`dlite.models.dlite_v1_io`);
-    it needs the target's `final_norm_weight`, which our dlite_v1 artifacts store."""
+    it needs the target's `final_norm_weight`, which our dlite_v1 artifacts store. So
+    does a SpecForge DFlash export (`dlite.models.dflash_peer`); any other layout is one
+    ArtifactError listing the known ones (`KNOWN_LAYOUTS`)."""
     path = Path(path)
     from dlite.models import dlite_v1_io
     if dlite_v1_io.is_published(path):
         return dlite_v1_io.load_published(path, embed_weight, lm_head_weight, final_norm_weight)
+    from dlite.models import dflash_peer
+    if dflash_peer.is_dflash_export(path):
+        return dflash_peer.load_dflash(path, embed_weight, lm_head_weight)
     config = read_config(path)
     want = (config["vocab_size"], config["target_hidden_size"])
     if tuple(embed_weight.shape) != want or tuple(lm_head_weight.shape) != want:

@@ -1,5 +1,7 @@
-"""The drafter training loss (DeepSpec's, DLITE.md §3) and the helpers that cut the
-per-slot targets and reference rows for a set of anchors out of a sequence.
+"""The drafter training loss (DeepSpec's, DLITE.md §3; with the authors' published
+recipe's terms too: KL to a teacher for stage 1, CE on the target's greedy token, no
+slot decay -- `dlite.train.step.LossSpec`) and the helpers that cut the per-slot
+targets and reference rows for a set of anchors out of a sequence.
 
 Slot j (0-based) of the block anchored at position a predicts the token at a+j+1.
 Its data token is input_ids[a+j+1]; its reference distribution is the target's at
@@ -34,9 +36,12 @@ def chunk_rows_for(width: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * width))
 
 
-def position_weights(gamma: int, decay: float = 4.0, device=None) -> torch.Tensor:
-    """w_k = exp(-(k-1)/decay), k = 1..gamma: early slots matter most for acceptance."""
-    return torch.exp(-torch.arange(gamma, device=device, dtype=torch.float32) / decay)
+def position_weights(gamma: int, decay: Optional[float] = 4.0, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/decay), k = 1..gamma: early slots matter most for acceptance.
+    decay None: every slot alike (the authors' two-stage student; their per-slot decay,
+    where set, is this same exp(-offset/gamma) with offset 0 at the first proposal)."""
+    k = torch.arange(gamma, device=device, dtype=torch.float32)
+    return torch.ones_like(k) if decay is None else torch.exp(-k / decay)
 
 
 def block_targets(input_ids: torch.Tensor, anchors: torch.Tensor, gamma: int,
@@ -140,44 +145,49 @@ def probs_reference(p_ref) -> RowReference:
 
 
 def _row_terms(z: torch.Tensor, targets: torch.Tensor, p_ref: torch.Tensor):
-    """Per-row CE of the data token, L1 distance to the reference and the draft's p,
-    for logits rows z [rows, N] (fp32 inside; -1 targets read column 0, masked later)."""
+    """Per-row CE of the data token, L1 distance to the reference, KL(p_ref || p) and
+    the draft's p, for logits rows z [rows, N] (fp32 inside; -1 targets read column 0,
+    masked later). KL's p_ref log p_ref is 0 where p_ref is (xlogy)."""
     logp = torch.log_softmax(z.float(), -1)
     ce = -logp.gather(-1, targets.long().clamp_min(0)[..., None])[..., 0]
-    p = logp.exp()
-    return ce, (p - p_ref.float()).abs().sum(-1), p
+    p, q = logp.exp(), p_ref.float()
+    kl = (torch.xlogy(q, q) - q * logp).sum(-1)
+    return ce, (p - q).abs().sum(-1), kl, p
 
 
-def _chunk(z, targets, coef_ce, coef_l1, ref, grad, i: int, j: int):
+def _chunk(z, targets, coefs, ref, grad, i: int, j: int, ref_labels: bool):
     """Rows i..j of `_ChunkedLoss`: their gradient into grad[i:j] (when grad is given) and
     their small per-row results. A function of its own so that the chunk's [rows, V] and
-    [rows, N] tensors are freed on return, before the next chunk allocates its own."""
+    [rows, N] tensors are freed on return, before the next chunk allocates its own.
+    `ref_labels`: CE's label is the reference's argmax instead of `targets`."""
     p_ref = ref.probs(i, j)  # grad mode is off in forward: the reference has no graph
+    t = p_ref.argmax(-1) if ref_labels else targets[i:j]
     with torch.enable_grad():
         zc = z[i:j].detach().requires_grad_(grad is not None)
-        ce, l1, p = _row_terms(zc, targets[i:j], p_ref)
+        ce, l1, kl, p = _row_terms(zc, t, p_ref)
         if grad is not None:
-            grad[i:j] = torch.autograd.grad((coef_ce[i:j] * ce + coef_l1[i:j] * l1).sum(), zc)[0]
-    return (ce.detach(), l1.detach(), torch.minimum(p.detach(), p_ref).sum(-1),
-            zc.detach().argmax(-1) == targets[i:j])
+            c_ce, c_l1, c_kl = (c[i:j] for c in coefs)
+            grad[i:j] = torch.autograd.grad((c_ce * ce + c_l1 * l1 + c_kl * kl).sum(), zc)[0]
+    return (ce.detach(), l1.detach(), kl.detach(), torch.minimum(p.detach(), p_ref).sum(-1),
+            zc.detach().argmax(-1) == t)
 
 
 class _ChunkedLoss(torch.autograd.Function):
-    """sum_r coef_ce[r] CE_r + coef_l1[r] L1_r over flat rows, one chunk at a time. Each
+    """sum_r coef_ce[r] CE_r + coef_l1[r] L1_r + coef_kl[r] KL_r over flat rows, one chunk at a time. Each
     chunk's gradient is taken in forward, with autograd over the same ops as the one-shot
     loss, into one buffer like z that backward returns (scaled): nothing [rows, V] outlives
-    its chunk and nothing is recomputed. Also returns per-row CE, L1, acceptance
+    its chunk and nothing is recomputed. Also returns per-row CE, L1, KL, acceptance
     sum_x min(p, p_ref) and argmax hit, without gradient."""
 
     @staticmethod
-    def forward(ctx, z, targets, coef_ce, coef_l1, ref, chunk_rows, need_grad):
+    def forward(ctx, z, targets, coefs, ref, chunk_rows, need_grad, ref_labels):
         grad = torch.empty_like(z) if need_grad else None
-        out = [_chunk(z, targets, coef_ce, coef_l1, ref, grad, i, i + chunk_rows)
+        out = [_chunk(z, targets, coefs, ref, grad, i, i + chunk_rows, ref_labels)
                for i in range(0, z.shape[0], chunk_rows)]
-        ce, l1, accept, hit = (torch.cat(t) for t in zip(*out))
+        ce, l1, kl, accept, hit = (torch.cat(t) for t in zip(*out))
         ctx.grad = grad
-        ctx.mark_non_differentiable(ce, l1, accept, hit)
-        return (coef_ce * ce + coef_l1 * l1).sum(), ce, l1, accept, hit
+        ctx.mark_non_differentiable(ce, l1, kl, accept, hit)
+        return sum((c * x).sum() for c, x in zip(coefs, (ce, l1, kl))), ce, l1, kl, accept, hit
 
     @staticmethod
     def backward(ctx, g_loss, *_):
@@ -188,19 +198,23 @@ class _ChunkedLoss(torch.autograd.Function):
 
 
 def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, p_ref,
-               ce_weight: float = 0.1, l1_weight: float = 0.9, decay: float = 4.0,
-               ce_valid: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None):
-    """loss = sum_k w_k (ce_w * CE(logits_k, x*_k) + l1_w * |softmax(logits_k) - p_ref_k|_1)
-    / sum_k w_k, over valid slots only (a weighted mean: invalid slots drop out of both
-    sums, so a block cut short by the sequence end still counts its early slots).
+               ce_weight: float = 0.1, l1_weight: float = 0.9, decay: Optional[float] = 4.0,
+               ce_valid: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None,
+               kl_weight: float = 0.0, ref_labels: bool = False):
+    """loss = sum_k w_k (ce_w * CE(logits_k, x*_k) + l1_w * |softmax(logits_k) - p_ref_k|_1
+    + kl_w * KL(p_ref_k || softmax(logits_k))) / sum_k w_k, over valid slots only (a
+    weighted mean: invalid slots drop out of both sums, so a block cut short by the
+    sequence end still counts its early slots). The L1 term is the authors' "TV" term
+    (they sum |p - q| without the 1/2); KL is their stage-1 distillation term.
 
     logits [..., g, N], targets/valid [..., g]; p_ref: probabilities [..., g, N] or a
     `RowReference` building them chunk by chunk. `ce_valid` [..., g] (default `valid`)
     limits the CE term to slots whose data token the drafter can emit: with a draft
     vocabulary a token outside it has no logit (targets -1 there), so it is not
-    learnable; the L1 term still counts on every valid slot. `chunk_rows`: slot rows per
-    chunk (default `chunk_rows_for` the widest of N and the reference's width).
-    Returns (loss, metrics) with per-slot loss / CE / L1 / accuracy and the teacher-forced
+    learnable; the L1 term still counts on every valid slot. `ref_labels`: CE's label is
+    p_ref's argmax (the target's greedy token) instead of `targets`. `chunk_rows`: slot
+    rows per chunk (default `chunk_rows_for` the widest of N and the reference's width).
+    Returns (loss, metrics) with per-slot loss / CE / L1 / KL / accuracy and the teacher-forced
     acceptance estimate sum_x min(p_draft, p_ref) per slot, and tau_est from it."""
     g, N = logits.shape[-2], logits.shape[-1]
     ref = p_ref if isinstance(p_ref, RowReference) else probs_reference(p_ref)
@@ -211,12 +225,13 @@ def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
     w = position_weights(g, decay, logits.device)[None] * valid
     scale = (w / w.sum().clamp_min(1e-12)).reshape(-1)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
-    loss, ce, l1, accept, hit = _ChunkedLoss.apply(
-        logits.reshape(-1, N), targets.reshape(-1), ce_weight * ce_on.reshape(-1) * scale,
-        l1_weight * scale, ref, chunk_rows or chunk_rows_for(max(N, ref.width)), need_grad)
-    ce, l1 = ce.view(-1, g) * ce_on, l1.view(-1, g)
-    per_slot = ce_weight * ce + l1_weight * l1                       # [rows / g, g]
-    m = _metrics(loss, per_slot, ce, l1, accept.view(-1, g), hit.view(-1, g), valid, ce_on)
+    coefs = (ce_weight * ce_on.reshape(-1) * scale, l1_weight * scale, kl_weight * scale)
+    loss, ce, l1, kl, accept, hit = _ChunkedLoss.apply(
+        logits.reshape(-1, N), targets.reshape(-1), coefs, ref,
+        chunk_rows or chunk_rows_for(max(N, ref.width)), need_grad, ref_labels)
+    ce, l1, kl = ce.view(-1, g) * ce_on, l1.view(-1, g), kl.view(-1, g)
+    per_slot = ce_weight * ce + l1_weight * l1 + kl_weight * kl     # [rows / g, g]
+    m = _metrics(loss, per_slot, ce, l1, accept.view(-1, g), hit.view(-1, g), valid, ce_on, kl)
     return loss, {**m, "loss_weight": float(w.sum())}  # what pools `loss` over batches
 
 
@@ -240,7 +255,8 @@ def dlite_loss_unchunked(logits: torch.Tensor, targets: torch.Tensor, valid: tor
     loss = (per_slot * w).sum() / w.sum().clamp_min(1e-12)
     with torch.no_grad():
         accept, hit = torch.minimum(p, p_ref.float()).sum(-1), logits.argmax(-1) == targets
-    m = _metrics(loss, per_slot, ce, l1, accept, hit, valid, ce_on)
+        kl = (torch.xlogy(p_ref.float(), p_ref.float()) - p_ref.float() * logp).sum(-1)
+    m = _metrics(loss, per_slot, ce, l1, accept, hit, valid, ce_on, kl)
     return loss, {**m, "loss_weight": float(w.sum())}
 
 
@@ -255,7 +271,7 @@ def expected_tau(accept_at_k) -> float:
 
 
 @torch.no_grad()
-def _metrics(loss, per_slot, ce, l1, accept, hit, valid, ce_on) -> dict:
+def _metrics(loss, per_slot, ce, l1, accept, hit, valid, ce_on, kl) -> dict:
     """Per-slot means over valid slots (CE: over `ce_on` slots), as Python floats ready
     to log, from per-slot [blocks, g] terms, acceptance sum_x min(p, p_ref) and argmax
     hits. An unlearnable target (-1) never counts as correct in `acc_at_k`."""
@@ -266,7 +282,8 @@ def _metrics(loss, per_slot, ce, l1, accept, hit, valid, ce_on) -> dict:
     nv = valid.sum().clamp_min(1)
     n_ce = ce_on.sum(0).clamp_min(1)
     return {"loss": loss.item(), "ce": ((ce * ce_on).sum() / ce_on.sum().clamp_min(1)).item(),
-            "l1": ((l1 * valid).sum() / nv).item(), "loss_at_k": slot(per_slot),
+            "l1": ((l1 * valid).sum() / nv).item(), "kl": ((kl * valid).sum() / nv).item(),
+            "loss_at_k": slot(per_slot),
             "ce_at_k": ((ce * ce_on).sum(0) / n_ce).tolist(),
             "acc_at_k": slot(hit), "accept_est_at_k": accept, "tau_est": tau,
             "valid_slots": int(valid.sum().item()),

@@ -24,11 +24,16 @@ step vs one verified block at each `--context-lengths` (`--threads`, default 1).
 speedups over their own plain decoding, which should agree if our timing is honest.
 `loss_memory`: peak memory of the training loss, one-shot vs chunked, extrapolated to the
 production batch (goal <= 2 GB).
-`shape_rehearsal`: the Qwen3-4B DLite drafter's shapes on CPU in bf16 (train step, draft
+`shape_rehearsal`: the Qwen3-4B DLite drafter's shapes (`--rehearse-drafter
+dlite_v1_qwen3_4b`: the published design's) on CPU in bf16 (train step, draft
 round, export round trip), peak RSS and time per phase.
 `regenerate`: today's HFRegenerator against the batched, cache-carrying regenerator on
 the same --conversations (4) built-in trajectories (2-3 assistant turns, 64 new tokens
 per turn): tokens/s of each, their ratio (goal >= 4x), whether the greedy tokens agree.
+`peers`: a peer's drafter judged by our harness: SpecForge's DFlash (optional extra `peers`)
+trained by SpecForge's own trainer on this config's collection (or --shards), checked round
+by round against SpecForge's own decode loop on 20 held-out prompts, then evaluated beside
+our drafters (--drafter NAME=DIR, default: the finished align stage) on the same turns.
 `gpu_check`: the prepared first GPU run (`scripts/gpu_check.sh` passes its sizes): the
 pipeline without ablation and publish, then the engine comparison on its shards; tokens/s,
 tau, engine overhead, peak GPU memory per training stage, seconds against the 8-minute budget.
@@ -144,7 +149,8 @@ def shape_rehearsal(cfg, args) -> dict:
     import torch
     from omegaconf import OmegaConf
     from dlite.bench.shape_rehearsal import run
-    report = run(seq_len=512, anchors=64, layers=2, dtype=torch.bfloat16, threads=args.threads)
+    report = run(seq_len=512, anchors=64, layers=2, dtype=torch.bfloat16, threads=args.threads,
+                 drafter=args.rehearse_drafter)
     return {**report, "config": OmegaConf.to_container(cfg, resolve=True)}
 
 
@@ -156,6 +162,12 @@ def regenerate(cfg, args) -> dict:
     return run(cfg, n=args.conversations, max_new_tokens=64, threads=args.threads)
 
 
+def peers(cfg, args) -> dict:
+    # SpecForge runs as its own CLI in a subprocess (train, export); see pipelines/benchmarks/peers.py.
+    from pipelines.benchmarks.peers import run
+    return run(cfg, args)
+
+
 def gpu_check(cfg, args) -> dict:
     # The pipeline runs as a subprocess with --config and the same key=value overrides.
     from pipelines.benchmarks.gpu_check import run
@@ -164,7 +176,7 @@ def gpu_check(cfg, args) -> dict:
 
 BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality,
               "target_probe": target_probe, "lookup_check": lookup_check, "loss_memory": loss_memory, "shape_rehearsal": shape_rehearsal,
-              "gpu_check": gpu_check, "regenerate": regenerate}
+              "gpu_check": gpu_check, "regenerate": regenerate, "peers": peers}
 
 
 def main(argv=None) -> int:
@@ -181,6 +193,8 @@ def main(argv=None) -> int:
         p.add_argument("--context-lengths", type=int, nargs="+", default=[256, 1024, 4096, 16384])
         p.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[4096, 8192, 16384],
                        help="draft_cost: draft vocabularies to time beside the full one")
+        p.add_argument("--rehearse-drafter", default="dlite_qwen3_4b",
+                       help="shape_rehearsal: the configs/drafter/ file to rehearse (e.g. dlite_v1_qwen3_4b)")
         p.add_argument("--work-dir", default=None, help="train: keep shards, runs, MLflow store here")
         p.add_argument("--budget", type=int, default=200,
                        help="quality: optimiser steps per method (DLite: half teacher, half align)")
@@ -192,6 +206,9 @@ def main(argv=None) -> int:
                             "{\"turns\": [...]} records, e.g. ../shared/data/swe-bench-prompts.jsonl)")
         p.add_argument("--n-prompts", type=int, default=8, help="quality: how many of --prompts")
         p.add_argument("--conversations", type=int, default=4, help="regenerate: how many trajectories")
+        p.add_argument("--shards", default=None, help="peers: a full-mode collection (default: the config's collect stage)")
+        p.add_argument("--drafter", action="append", default=[],
+                       help="peers: our drafter(s) to evaluate beside it, NAME=DIR (default: the align stage's)")
 
     name, (args, cfg) = argv[0], parse_args(argv[1:], extra)
     if args.dry_run:

@@ -7,7 +7,10 @@ Every drafter replays the same held-out agent trajectories (built-in split, or
 `data.heldout_path` JSONL) turn by turn: acceptance spread over `eval.num_workers` Ray
 tasks, then speed on one worker, plain and speculative interleaved (see
 `pipelines/stages/evaluate.py`). A drafter's name defaults to its kind (`dlite`,
-`dlite_no_teacher`, `dspark`) read from its config.json. Writes the report of
+`dlite_no_teacher`, `dspark`, `dlite_v1`) read from its config.json. Drafters from other
+trainers are judged the same way: a directory in the DLite authors' published layout
+(`DLiteDraftModel`) or a SpecForge DFlash export (`specforge export --to hf`, named
+`specforge_dflash`); any other layout ends the job with one line listing the known ones. Writes the report of
 ARCHITECTURE.md §3 to `--out`, plots beside it, and an `evaluate` MLflow run (a child of
 `--parent-run-id` when given) with the metrics, report and plots. A drafter directory
 that is incomplete, corrupted (checksums in config.json) or trained for another target

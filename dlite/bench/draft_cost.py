@@ -32,7 +32,8 @@ from dlite.models.config import DrafterConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "drafter"
 # (config file, target hidden size, vocabulary, published drafter size)
-PUBLISHED = {"dlite_qwen3_4b": (2560, 151936, "~0.6B"), "dlite_qwen3_8b": (4096, 151936, "~1B")}
+PUBLISHED = {"dlite_qwen3_4b": (2560, 151936, "~0.6B"), "dlite_qwen3_8b": (4096, 151936, "~1B"),
+             "dlite_v1_qwen3_4b": (2560, 151936, "~0.6B"), "dlite_v1_qwen3_8b": (4096, 151936, "~1B")}
 
 
 def load_drafter_yaml(path) -> DrafterConfig:
@@ -42,14 +43,16 @@ def load_drafter_yaml(path) -> DrafterConfig:
 
 
 def param_counts(config_dir=CONFIG_DIR) -> dict:
-    """Trainable parameters of the published-shape DLite drafters, built on `meta`."""
+    """Trainable parameters of the published-shape DLite drafters (ours and the authors'
+    design, `dlite_v1_*`), built on `meta`."""
     out = {}
     for name, (hidden, vocab, published) in PUBLISHED.items():
         cfg = load_drafter_yaml(Path(config_dir) / f"{name}.yaml")
         with torch.device("meta"):
             vocab_w = torch.empty(vocab, hidden)
             ids = torch.arange(cfg.draft_vocab_size, device="cpu") if cfg.draft_vocab_size else None
-            n = param_count(build_drafter(cfg, vocab_w, vocab_w, vocab - 1, draft_vocab=ids))
+            parts = {"final_norm_weight": torch.empty(hidden)} if cfg.arch == "dlite_v1" else {}
+            n = param_count(build_drafter(cfg, vocab_w, vocab_w, vocab - 1, draft_vocab=ids, **parts))
         out[name] = {"trainable_params": n, "billions": round(n / 1e9, 3), "published": published}
     return out
 

@@ -1,6 +1,8 @@
-"""Shape rehearsal on CPU: the production DLite drafter for Qwen3-4B
-(configs/drafter/dlite_qwen3_4b.yaml: 5 layers x 2560, ~0.56B trainable parameters,
-draft vocabulary 32768 of 151936, gamma 7) taken once through every code path it
+"""Shape rehearsal on CPU: a production DLite drafter for Qwen3-4B (`drafter`: by default
+configs/drafter/dlite_qwen3_4b.yaml, this project's design: 5 layers x 2560, ~0.56B
+trainable parameters, draft vocabulary 32768 of 151936, gamma 7; or
+dlite_v1_qwen3_4b.yaml, the released drafter's design and shape, 0.58B, 7 context
+slots, full vocabulary, its target cut to 7 layers) taken once through every code path it
 meets in production, in bf16, against a random-weight target of Qwen3-4B's shape cut
 to `layers` decoder layers (built from a Qwen3Config, nothing downloaded):
 feature capture (`dlite.data.features`), one optimiser step of the real training math
@@ -120,8 +122,9 @@ def _drafter(cfg, model, batch, dtype):
         counts = torch.bincount(batch["input_ids"].reshape(-1), minlength=V).numpy()
         ids = build_draft_vocab(counts, cfg.draft_vocab_size)
     embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    parts = {"final_norm_weight": model.model.norm.weight.detach()} if cfg.arch == "dlite_v1" else {}
     torch.manual_seed(0)
-    return build_drafter(cfg, embed.detach(), lm_head.detach(), V - 1, ids).to(dtype)
+    return build_drafter(cfg, embed.detach(), lm_head.detach(), V - 1, ids, **parts).to(dtype)
 
 
 def _train_step(engine, batch) -> dict:
@@ -196,15 +199,23 @@ def memory_arithmetic(n_params: int, dtype) -> dict:
 
 def run(seq_len: int = 512, anchors: int = 64, layers: int = 2, dtype=torch.bfloat16,
         threads: int = 2, drafter_cfg=None, target_shape: dict = None,
-        source_layers: int = QWEN3_4B_LAYERS, seed: int = 0) -> dict:
+        source_layers: int = QWEN3_4B_LAYERS, seed: int = 0, drafter: str = "dlite_qwen3_4b") -> dict:
     """The rehearsal (see the module docstring); returns the report dict. `drafter_cfg`
-    (a DrafterConfig; default the Qwen3-4B DLite yaml) and `target_shape` (Qwen3Config
-    fields; default QWEN3_4B) shrink it for tests; the code path is the same."""
+    (a DrafterConfig; default configs/drafter/<drafter>.yaml) and `target_shape`
+    (Qwen3Config fields; default QWEN3_4B) shrink it for tests; the code path is the
+    same. The published design (`dlite_v1_qwen3_4b`) reads its fixed selection of K
+    layers (first, last, evenly spaced), so its target keeps at least K layers and the
+    selection is taken again over those (`published_layer_ids`)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        base = drafter_cfg or load_drafter_yaml(CONFIG_DIR / "dlite_qwen3_4b.yaml")
-        used = map_layer_ids(base.target_layer_ids, source_layers, layers)
+        base = drafter_cfg or load_drafter_yaml(CONFIG_DIR / f"{drafter}.yaml")
+        if base.arch == "dlite_v1":
+            from dlite.models.dlite_v1 import published_layer_ids
+            layers = max(layers, len(base.target_layer_ids))
+            used = published_layer_ids(layers, len(base.target_layer_ids))
+        else:
+            used = map_layer_ids(base.target_layer_ids, source_layers, layers)
         cfg = dataclasses.replace(base, target_layer_ids=used)
         shape = {**QWEN3_4B, **(target_shape or {}), "num_hidden_layers": layers}
         return _rehearse(cfg, base, shape, used, source_layers, seq_len, anchors, dtype, seed)
@@ -233,7 +244,8 @@ def _rehearse(cfg, base, shape, used, source_layers, seq_len, anchors, dtype, se
                    "anchors_sampled": int(batch["anchors"].shape[1]), "dtype": str(dtype)},
         "layer_map": {"configured": list(base.target_layer_ids), "of_layers": source_layers,
                       "used": used, "of_layers_here": shape["num_hidden_layers"],
-                      "how": "same relative depth; feature width unchanged"},
+                      "how": ("the published selection over the layers present" if base.arch == "dlite_v1"
+                              else "same relative depth") + "; feature width unchanged"},
         "params": {"drafter_trainable": n, "target": sum(p.numel() for p in model.parameters()),
                    "vocab_shared_with_target": drafter.vocab.embed_weight.data_ptr()
                    == model.get_input_embeddings().weight.data_ptr()},

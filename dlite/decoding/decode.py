@@ -15,6 +15,12 @@ works but warns that it is deprecated); `DynamicCache.crop(n)` REMOVES n tokens 
 n < 0 and raises for n > 0 (4.x read a positive n as the new length), so `crop_cache`
 always passes a negative count, which both major versions understand.
 
+A drafter proposing several branches (`draft_tree`: the tree hybrids) gets a tree round
+instead: the branches merged into a token tree, verified in one forward under a tree
+attention mask, the accepted path's cache entries gathered into place and the rest
+dropped (`dlite.decoding.tree`); the round record then says how many tokens the target
+checked (`verified`), which source the accepted path came from and each branch's match.
+
 `prefill` runs a prompt through the target once and keeps what both loops start from
 (cache, last logits, captured features); `speculative_generate` / `plain_generate` take
 it as `prefilled=` and start from a copy of its cache, so an evaluation replays many
@@ -37,6 +43,7 @@ from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from dlite.decoding.capture import LayerCapture
+from dlite.decoding.tree import build_tree, keep_path, tree_mask, tree_positions, verify_tree
 from dlite.decoding.verify import sample_token, verify_block
 
 if TYPE_CHECKING:  # annotations only: the import itself happens in new_cache
@@ -78,11 +85,15 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
 
 
 def target_forward(target, ids: torch.Tensor, start: int, cache: DynamicCache,
-                   logits_to_keep: int = 0) -> torch.Tensor:
-    """Run ids [n] at positions start..start+n-1 through the target, extending `cache`.
+                   logits_to_keep: int = 0, position_ids: Optional[torch.Tensor] = None,
+                   attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run ids [n] at positions start..start+n-1 (or `position_ids` [1, n]) through the
+    target, extending `cache`; `attention_mask`: a custom 4D mask (a token tree's).
     Returns logits [n or logits_to_keep, V] for batch row 0."""
-    pos = torch.arange(start, start + ids.shape[0], device=ids.device)[None]
+    pos = position_ids if position_ids is not None else torch.arange(start, start + ids.shape[0], device=ids.device)[None]
     kw = {_cache_kwarg(type(target)): cache}
+    if attention_mask is not None:
+        kw["attention_mask"] = attention_mask
     out = target(input_ids=ids[None], position_ids=pos, use_cache=True,
                  logits_to_keep=logits_to_keep, **kw)
     return out.logits[0]
@@ -164,10 +175,39 @@ def prefill(target, prompt_ids, layer_ids: Sequence[int] = (), all_rows: bool = 
     return Prefill(cache, logits, feats, ids, all_rows, prompt.shape[0], ms)
 
 
+def _tree_round(target, drafter, cap, cache, state, feats, anchor: int, t: int, sampling: dict):
+    """One round of a drafter proposing several branches (`draft_tree`): merged into a
+    token tree, verified in one forward (`dlite.decoding.tree`), the accepted path's
+    cache kept. Returns what `_round` does, the record's extras last."""
+    dev = _device(target)
+    t0 = time.perf_counter()
+    branches, state = drafter.draft_tree(state, feats, anchor, t, sampling["temperature"], sampling["generator"])
+    tree = build_tree(anchor, branches)
+    _sync(dev)
+    t1 = time.perf_counter()
+    mask = tree_mask(tree, t, target.dtype, dev)
+    logits = target_forward(target, torch.tensor(tree.tokens, device=dev), t, cache,
+                            position_ids=tree_positions(tree, t, dev), attention_mask=mask)
+    _sync(dev)
+    t2 = time.perf_counter()
+    path, nxt = verify_tree(tree, branches, logits, **sampling)
+    keep_path(cache, t, [0] + path)
+    f = cap.features()
+    last = path[-1] if path else 0
+    emit = [tree.tokens[n] for n in path] + [nxt]
+    state, extra = drafter.tree_verified(state, branches, emit)
+    depth = max([len(b.tokens) for b in branches] or [0])
+    return (emit, len(path), f[last: last + 1], state, depth, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+            {"verified": tree.size, **extra})
+
+
 def _round(target, drafter, cap, cache, state, feats, anchor: int, t: int, sampling: dict):
     """One draft + verify round. Returns (tokens to emit, accepted a, new features,
-    drafter state, drafted n, draft_ms, verify_ms). A drafter may propose fewer than
-    gamma tokens, even none (the round is then one plain target step)."""
+    drafter state, drafted n, draft_ms, verify_ms, extras for the round record). A
+    drafter may propose fewer than gamma tokens, even none (the round is then one plain
+    target step)."""
+    if hasattr(drafter, "draft_tree"):
+        return _tree_round(target, drafter, cap, cache, state, feats, anchor, t, sampling)
     dev = _device(target)
     t0 = time.perf_counter()
     tokens, probs, state = drafter.draft(state, feats, anchor, t, sampling["temperature"],
@@ -184,8 +224,9 @@ def _round(target, drafter, cap, cache, state, feats, anchor: int, t: int, sampl
     crop_cache(cache, t + a + 1)
     f = cap.features()
     feats = f[: a + 1] if drafter.needs_history else f[a: a + 1]
+    extra = drafter.round_info(state) if hasattr(drafter, "round_info") else {}
     return (tokens[:a].tolist() + [nxt], a, feats, state, tokens.numel(), (t1 - t0) * 1e3,
-            (t2 - t1) * 1e3)
+            (t2 - t1) * 1e3, {"verified": tokens.numel(), **extra})
 
 
 @torch.inference_mode()
@@ -196,7 +237,9 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, tempe
     """Generate up to `max_new_tokens` tokens (stopping after an EOS) with `drafter`,
     starting from a copy of `prefilled` (this prompt's `prefill`) when given.
     Returns (new token ids, one record per round: context_len, accepted, drafted,
-    emitted, draft_ms, verify_ms, other_ms, cache_bytes). The prefill's token is not a round."""
+    emitted, draft_ms, verify_ms, other_ms, cache_bytes, verified (draft tokens the
+    target checked: a tree's nodes), and what a hybrid adds: `source`, `branches`).
+    The prefill's token is not a round."""
     eos = {int(e) for e in eos_ids}
     out, rounds = [], []
     if max_new_tokens <= 0:
@@ -211,14 +254,14 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, tempe
         done = _extend(out, [anchor], eos, max_new_tokens)
         while not done:
             start = time.perf_counter()
-            emit, a, feats, state, n, d_ms, v_ms = _round(target, drafter, cap, cache, state, feats,
+            emit, a, feats, state, n, d_ms, v_ms, extra = _round(target, drafter, cap, cache, state, feats,
                                                        anchor, t, sampling)
             n_before = len(out)
             done = _extend(out, emit, eos, max_new_tokens)
             total_ms = (time.perf_counter() - start) * 1e3
             rounds.append(dict(context_len=t, accepted=a, drafted=n, emitted=len(out) - n_before,
                                draft_ms=d_ms, verify_ms=v_ms, other_ms=total_ms - d_ms - v_ms,
-                               cache_bytes=int(drafter.cache_bytes(state))))
+                               cache_bytes=int(drafter.cache_bytes(state)), **extra))
             t, anchor = t + a + 1, emit[-1]
         if hasattr(drafter, "finish"):  # e.g. SuffixDecoding indexes the whole response
             drafter.finish(state, out)

@@ -131,5 +131,9 @@ class HybridDrafter:
         if hasattr(self.lookup, "finish"):  # SuffixDecoding indexes the whole response
             self.lookup.finish(state["seq"], new_tokens)
 
+    def round_info(self, state) -> dict:
+        """What the round record says drafted this round (`lookup` or `model`)."""
+        return {"source": state["source"][-1]}
+
     def cache_bytes(self, state) -> int:
         return self.model.cache_bytes(state["model"]) + self.lookup.cache_bytes(state["seq"])

@@ -1,8 +1,13 @@
 """The decoding methods an evaluation compares, built from the `eval` config section:
 the learned drafters it is given, the training-free baselines (`eval.baselines`:
 `prompt_lookup`, `suffix`) and hybrids of a history-free drafter with one of them
-(`eval.hybrids`: `hybrid_lookup`, `hybrid_suffix`; the lookup's proposal when its match
-is >= `eval.hybrid_min_match` tokens, else the drafter's block).
+(`eval.hybrids`: `hybrid_lookup`, `hybrid_suffix`: the lookup's proposal when its match
+is >= `eval.hybrid_min_match` tokens, else the drafter's block; `hybrid_*_choose`: the
+proposal with the most expected tokens per unit of verification cost; `hybrid_*_tree`:
+both verified as one token tree of at most `eval.tree_budget` tokens -- see
+`dlite.decoding.hybrid`). The choose / tree hybrids score proposals with a
+`Calibration` (fitted on validation turns by the evaluation, else the defaults) and the
+verify-cost curve `eval.verify_cost_tokens` -> `eval.verify_cost`.
 
 Each method is a builder: `build() -> drafter or factory prompt_ids -> drafter`. A
 builder is called once per replay, so SuffixDecoding's global tree of earlier outputs
@@ -14,10 +19,12 @@ static draft vocabulary | the prompt's tokens, `dlite.decoding.context_vocab`), 
 `<primary>_ctxvocab` and listed right after the learned drafters."""
 
 import functools
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 from dlite.config_schema import HYBRIDS
+from dlite.decoding.calibration import Calibration, CostCurve
 from dlite.decoding.context_vocab import ContextVocab
+from dlite.decoding.hybrid import ChooseHybrid, TreeHybrid
 from dlite.decoding.lookup import HybridDrafter, PromptLookupDrafter
 
 
@@ -43,13 +50,29 @@ def _suffix(ev, vocab_size: int, gamma: int):
 _TOKEN_DRAFTERS = {"prompt_lookup": _lookup, "suffix": _suffix}
 
 
-def _hybrid(model, token_factory, min_match: int):
-    """Factory prompt_ids -> HybridDrafter sharing `token_factory`'s state (a suffix
-    cache's global tree) across prompts."""
+def hybrid_rule(name: str) -> str:
+    """`match` (hybrid_lookup / hybrid_suffix), `choose` or `tree`, from the name."""
+    return name.rsplit("_", 1)[1] if name.endswith(("_choose", "_tree")) else "match"
+
+
+def hybrid_maker(ev, name: str, calibration: Optional[Calibration] = None) -> Callable:
+    """(model, token drafter) -> the hybrid `name` names, with eval's settings."""
+    rule = hybrid_rule(name)
+    cost = CostCurve(tuple(ev.verify_cost_tokens), tuple(ev.verify_cost))
+    if rule == "choose":
+        return lambda model, lk: ChooseHybrid(model, lk, calibration, cost)
+    if rule == "tree":
+        return lambda model, lk: TreeHybrid(model, lk, calibration, cost, ev.tree_budget)
+    return lambda model, lk: HybridDrafter(model, lk, ev.hybrid_min_match)
+
+
+def _hybrid(model, token_factory, make_one: Callable):
+    """Factory prompt_ids -> hybrid sharing `token_factory`'s state (a suffix cache's
+    global tree) across prompts."""
     def make(prompt_ids):
-        return HybridDrafter(model, token_factory(prompt_ids), min_match)
+        return make_one(model, token_factory(prompt_ids))
     if hasattr(token_factory, "fork"):
-        make.fork = lambda: _hybrid(model, token_factory.fork(), min_match)
+        make.fork = lambda: _hybrid(model, token_factory.fork(), make_one)
     return make
 
 
@@ -66,13 +89,15 @@ def _context_vocab(learned: Dict[str, object]) -> Dict[str, Callable]:
     return {context_vocab_name(name): lambda: factory}
 
 
-def method_builders(ev, learned: Dict[str, object], vocab_size: int) -> Dict[str, Callable]:
+def method_builders(ev, learned: Dict[str, object], vocab_size: int,
+                    calibration: Optional[dict] = None) -> Dict[str, Callable]:
     """{name: builder} for the learned drafters (given, already loaded), then
     `<primary>_ctxvocab` when eval.context_vocab, then the baselines, then the hybrids
     (each over the primary -- first -- learned drafter).
     Training-free drafters propose up to `eval.lookup_gamma` tokens (default: the
     primary drafter's gamma). The learned drafters get the evaluation's inference
-    setting `eval.draft_stop_prob` here, the one place that turns `eval` into methods."""
+    setting `eval.draft_stop_prob` here, the one place that turns `eval` into methods.
+    `calibration`: `Calibration.to_dict()` of a fit on validation turns (None: defaults)."""
     for d in learned.values():
         d.draft_stop_prob = ev.draft_stop_prob
     primary = next(iter(learned.values()), None)
@@ -85,6 +110,6 @@ def method_builders(ev, learned: Dict[str, object], vocab_size: int) -> Dict[str
     for name in ev.hybrids:
         if primary is None:
             raise ValueError(f"eval.hybrids: {name} needs a learned drafter to pair with")
-        make = _TOKEN_DRAFTERS[HYBRIDS[name]]
-        out[name] = lambda make=make: _hybrid(primary, make(ev, vocab_size, gamma), ev.hybrid_min_match)
+        make, one = _TOKEN_DRAFTERS[HYBRIDS[name]], hybrid_maker(ev, name, Calibration.from_dict(calibration))
+        out[name] = lambda make=make, one=one: _hybrid(primary, make(ev, vocab_size, gamma), one)
     return out

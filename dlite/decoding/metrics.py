@@ -119,6 +119,40 @@ def speedup_spread(pairs: Sequence[tuple]) -> dict:
                                   f"{BOOTSTRAP_RESAMPLES} resamples of the pairs, seed {BOOTSTRAP_SEED}"}
 
 
+def by_source(rounds: List[dict]) -> Optional[dict]:
+    """Hybrids: per source the accepted tokens came from (a tree: the branch whose match
+    was longest, `shared` when several tie, `none` when nothing was accepted; choose:
+    the proposal verified) -- its rounds, share of rounds, tau and accepted drafts.
+    None for methods that record no source."""
+    tagged = [r for r in rounds if r.get("source") is not None]
+    if not tagged:
+        return None
+    groups: Dict[str, List[dict]] = {}
+    for r in tagged:
+        groups.setdefault(r["source"], []).append(r)
+    return {s: {"rounds": len(rs), "share": len(rs) / len(tagged), "tau": tau(rs),
+                "accepted": sum(r["accepted"] for r in rs)} for s, rs in sorted(groups.items())}
+
+
+def branch_figures(rounds: List[dict]) -> Optional[dict]:
+    """Tree hybrids: per proposer, over every tree round, how often it proposed, its
+    mean tokens in the tree, and `tau_alone` -- mean (its own match + 1), 1 where it had
+    nothing: what that branch alone would have reached under greedy verification (the
+    tree's budget applied). None for methods without branch records."""
+    trees = [r for r in rounds if r.get("branches") is not None]
+    if not trees:
+        return None
+    sources = sorted({b["source"] for r in trees for b in r["branches"]})
+    out = {}
+    for s in sources:
+        best = [max([b["matched"] for b in r["branches"] if b["source"] == s], default=None) for r in trees]
+        sizes = [sum(b["n"] for b in r["branches"] if b["source"] == s) for r in trees]
+        out[s] = {"proposed_share": sum(m is not None for m in best) / len(trees),
+                  "mean_tokens": sum(sizes) / len(trees),
+                  "tau_alone": sum((m or 0) + 1 for m in best) / len(trees)}
+    return out
+
+
 def summarize_rounds(rounds: List[dict], gamma: int,
                      buckets: Sequence[int] = DEFAULT_BUCKETS) -> dict:
     """Every round-derived metric, overall and per context-length bucket."""
@@ -130,6 +164,11 @@ def summarize_rounds(rounds: List[dict], gamma: int,
         "rounds_by_bucket": by_bucket(rounds, len, buckets),
         # Mean tokens sent to verification per round (γ unless the drafter stops early).
         "drafted": _mean([{"d": r.get("drafted", gamma)} for r in rounds], "d"),
+        # Draft tokens the target checked per round (a tree's nodes; else = drafted).
+        "verified": _mean([{"v": r.get("verified", r.get("drafted", gamma))} for r in rounds], "v"),
+        "by_source": by_source(rounds),
+        "branches": branch_figures(rounds),
+        "branches_by_bucket": by_bucket(rounds, branch_figures, buckets),
         "time_split": time_split(rounds),
         "draft_ms_by_bucket": by_bucket(rounds, lambda rs: _mean(rs, "draft_ms"), buckets),
         "draft_cache_bytes_by_bucket": by_bucket(rounds, lambda rs: _mean(rs, "cache_bytes"), buckets),

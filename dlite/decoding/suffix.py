@@ -65,7 +65,7 @@ class SuffixDecoding:
         self.vocab_size, self.gamma, self.max_tree_depth = vocab_size, gamma, max_tree_depth
         self.spec_kw = dict(max_spec_tokens=gamma, max_spec_factor=max_spec_factor,
                             max_spec_offset=max_spec_offset, min_token_prob=min_token_prob,
-                            use_tree_spec=False)  # the verifier checks one chain, not a tree
+                            use_tree_spec=False)  # one chain; tree hybrids ask for trees
         self._active: Optional[int] = None
         self._next_id = 0
 
@@ -96,8 +96,33 @@ class SuffixDecoding:
         return int(self.cache._global_tree.estimate_memory())
 
 
+def tree_paths(token_ids: Sequence[int], parents: Sequence[int], probs: Sequence[float],
+               depth: int) -> List[Tuple[List[int], List[float]]]:
+    """A speculation tree (arctic-inference: node i's parent is parents[i], -1 for the
+    root's children; probs are path probabilities) as its root-to-leaf paths cut to
+    `depth`, most probable leaf first: (tokens, each token's probability given the path
+    before it)."""
+    has_child = {p for p in parents if p >= 0}
+    paths, seen = [], set()
+    for leaf in sorted((i for i in range(len(token_ids)) if i not in has_child), key=lambda i: -probs[i]):
+        chain, i = [], leaf
+        while i >= 0:
+            chain.append(i)
+            i = parents[i]
+        chain = chain[::-1][:depth]
+        key = tuple(int(token_ids[i]) for i in chain)
+        if key in seen:
+            continue
+        seen.add(key)
+        cond = [probs[i] / (probs[parents[i]] if parents[i] >= 0 and probs[parents[i]] > 0 else 1.0) for i in chain]
+        paths.append((list(key), [float(min(c, 1.0)) for c in cond]))
+    return paths
+
+
 class SuffixDrafter(TokenDrafter):
     """SuffixDecoding for one prompt. Reads tokens only: no target layers."""
+
+    source = "suffix"  # the name hybrids record and calibrate it under
 
     def __init__(self, owner: SuffixDecoding, prompt_ids):
         self.owner = owner
@@ -111,6 +136,20 @@ class SuffixDrafter(TokenDrafter):
         """Advance to the anchor, add what was emitted since the last call (accepted
         drafts, the previous anchor, and this anchor: all response tokens) to the
         trees, and return (proposal, match length)."""
+        draft = self._speculate(state, anchor_id, anchor_pos)
+        return [int(x) for x in draft.token_ids][: self.gamma], int(draft.match_len)
+
+    def propose_branches(self, state: SuffixState, anchor_id: int, anchor_pos: int, tree: bool = False,
+                         max_nodes: Optional[int] = None) -> List[Tuple[List[int], List[float]]]:
+        """As `propose`, but the speculation's paths with each token's probability given
+        the path to it: one chain, or (`tree`) every branch of the speculation tree of at
+        most `max_nodes` nodes (default gamma), each cut to gamma tokens."""
+        draft = self._speculate(state, anchor_id, anchor_pos, tree, max_nodes)
+        return tree_paths(draft.token_ids, draft.parents, draft.probs, self.gamma) if draft.token_ids else []
+
+    def _speculate(self, state: SuffixState, anchor_id: int, anchor_pos: int, tree: bool = False,
+                   max_nodes: Optional[int] = None):
+        """The native speculation after bringing the trees up to the anchor."""
         ids = state.advance(anchor_id, anchor_pos)
         cache = self.owner.cache
         if state.req_id is None:
@@ -122,8 +161,10 @@ class SuffixDrafter(TokenDrafter):
         cache.add_active_response(state.req_id, ids[state.fed:] + [int(anchor_id)])
         state.fed = anchor_pos + 1
         context = ids[max(0, len(ids) - self.owner.max_tree_depth + 1):] + [int(anchor_id)]
-        draft = cache.speculate(state.req_id, context, **self.owner.spec_kw)
-        return [int(x) for x in draft.token_ids][: self.gamma], int(draft.match_len)
+        kw = dict(self.owner.spec_kw, use_tree_spec=tree)
+        if tree:
+            kw["max_spec_tokens"] = max_nodes or self.gamma
+        return cache.speculate(state.req_id, context, **kw)
 
     def finish(self, state: SuffixState, new_tokens: List[int]) -> None:
         """After the last round: the tokens emitted since the last `propose` (the last

@@ -3,6 +3,8 @@ vocabulary (and views of it with other draft ids), the block helpers (embedding 
 block, its inputs), the teacher-forced block layout for training and the sequential
 sampling loop."""
 
+import contextlib
+import contextvars
 from typing import List, Optional, Protocol, Tuple
 
 import torch
@@ -274,6 +276,25 @@ def block_layout(batch: dict, gamma: int, mask_token_id: int) -> dict:
 # ---------------------------------------------------------------- inference
 
 
+# Where `sample_block` reports each slot's own confidence while a hybrid asks for it
+# (`recording_confidences`): scoped to the caller's context, so drafters keep their
+# `draft` signature and nothing is recorded (no host sync) when nobody asks.
+_CONFIDENCES: contextvars.ContextVar = contextvars.ContextVar("dlite_draft_confidences", default=None)
+
+
+@contextlib.contextmanager
+def recording_confidences():
+    """Collect, for every slot drafted inside, {"chosen": probability of the chosen token,
+    "top": the slot distribution's largest probability} (softmax over the drafter's
+    vocabulary, at its temperature; T = 0: softmax(logits), and the two are equal)."""
+    slots: List[dict] = []
+    token = _CONFIDENCES.set(slots)
+    try:
+        yield slots
+    finally:
+        _CONFIDENCES.reset(token)
+
+
 def sample_block(step, gamma: int, anchor_id: int, temperature: float, device, vocab: FrozenVocab,
                  generator: Optional[torch.Generator] = None, stop_prob: float = 0.0):
     """Walk the block left to right: step(k, prev_token [1] (a target id), state) ->
@@ -289,24 +310,31 @@ def sample_block(step, gamma: int, anchor_id: int, temperature: float, device, v
     probability; at T = 0 under softmax(logits)) falls below it, so fewer than gamma
     tokens (possibly none) go to verification. On this project's CPU (SmolLM2-135M at
     4K context) verifying 1 / 2 / 4 / 8 tokens costs 1.0 / 1.4 / 1.6 / 2.2 decode steps,
-    so not verifying a block that will be rejected is time saved. The
-    decision reads only the drafter's own numbers, so both verification rules stay
-    exact (lossless at T = 0, the target's distribution at T > 0). It costs one host
-    sync per slot; with stop_prob 0 tokens stay on device."""
+    so not verifying a block that will be rejected is time saved. Whether slot k is
+    kept reads the earlier slots' chosen tokens and slot k's distribution, never slot
+    k's own draw: at T > 0 a draw kept only when it is likely would no longer follow q,
+    and the rejection rule would be inexact (slot k's own number is its distribution's
+    largest probability, which at T = 0 is the chosen token's). It costs one host sync
+    per slot; with stop_prob 0 and no recording, tokens stay on device."""
     prev = torch.tensor([anchor_id], device=device)
     tokens, probs, state, sure = [], [], None, 1.0
+    record = _CONFIDENCES.get()
     for k in range(gamma):
         logits, state = step(k, prev, state)
+        sure_needed = stop_prob > 0 or record is not None
         if temperature > 0:
             p = torch.softmax(logits.float() / temperature, dim=-1)
             idx = torch.multinomial(p, 1, generator=generator)
         else:
             idx = logits.argmax(-1, keepdim=True)
-        if stop_prob > 0:
-            chosen = p[idx] if temperature > 0 else torch.softmax(logits.float(), -1)[idx]
-            sure *= float(chosen)
-            if sure < stop_prob:
+            p = torch.softmax(logits.float(), -1) if sure_needed else None
+        if sure_needed:
+            top, chosen = float(p.max()), float(p[idx])
+            if stop_prob > 0 and sure * top < stop_prob:
                 break
+            sure *= chosen
+            if record is not None:
+                record.append({"chosen": chosen, "top": top})
         if temperature > 0:
             probs.append(p)
         prev = vocab.to_target(idx)

@@ -66,3 +66,9 @@ class DrafterConfig:
     # dlite_v1 only: rank r of its recurrent sequential head (token embedding V x r,
     # output projection r -> V). Its context layers are `target_layer_ids` (one slot each).
     sequential_rank: int = 256
+    # dlite_v1 only: the published teacher ("swa_teacher"): the same model whose block
+    # also attends to the projected features of the history before the anchor.
+    v1_teacher: bool = False
+    # Teacher only: the history it attends to is the last `history_window` positions
+    # before the anchor (the authors' sliding-window teacher: 512); null = all of it.
+    history_window: Optional[int] = None

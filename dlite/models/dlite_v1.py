@@ -32,6 +32,13 @@ slot is always the target's last layer. RoPE positions are local: the G tokens a
 whatever the absolute position. MASK = a target vocabulary row (their runtime
 refuses anything else) or, with our LEARNED_MASK, our learned row (not exportable).
 
+Teacher (`drafter.v1_teacher`, built by the teacher stage for a dlite_v1 design, the
+authors' `swa_teacher`): the same model plus history keys -- the projected features
+(`hist_proj`, `hist_norm`) of the positions before the anchor, the last
+`drafter.history_window` of them when set (512 published) -- all blocks of a sequence
+in one packed forward at absolute positions. It exists to hand its sequential head
+and its block distributions to a student (`train.recipe`); it does not draft here.
+
 One gap the decoding interface leaves: `draft` gets the anchor, not the token before
 it. The state rebuilds it from the previous round (the pivot is the previous anchor
 or one of the drafts it accepted); in a generation's first round it is the prompt's
@@ -48,6 +55,7 @@ from torch import nn
 
 from dlite.models.common import as_batched, attach_target, embed_in, gather_positions, sample_block
 from dlite.models.config import DrafterConfig
+from dlite.models.history import packed_block_mask, packed_history_kv
 from dlite.models.layers import Backbone, RMSNorm, StaticMemory
 
 
@@ -120,6 +128,10 @@ class DLiteV1Drafter(nn.Module):
         self.context_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.sequential_head = RecurrentHead(V, cfg.sequential_rank, H)
         self.register_buffer("target_norm_weight", final_norm_weight.detach().clone())
+        if cfg.v1_teacher:  # the published teacher: + the history path (training only here)
+            self.needs_history = True
+            self.hist_proj = nn.Linear(self.feature_dim, H, bias=False)
+            self.hist_norm = RMSNorm(H, cfg.rms_norm_eps)
         self._init_weights()
 
     def _init_weights(self, std: float = 0.02):
@@ -155,6 +167,26 @@ class DLiteV1Drafter(nn.Module):
         h = self.backbone(x, pos, StaticMemory(self.backbone.memory_kv(ctx, ctx_pos)))
         return self.backbone.norm(h)[:, n:]
 
+    def _teacher_hidden(self, batch, group_ids, ctx):
+        """The teacher's `_hidden`: all A blocks of a sequence in one forward, keys =
+        [history L | context slots A*K | blocks A*q], masked by `packed_block_mask` (the
+        history before each anchor, the last `history_window` of it when set). Positions
+        are absolute, as the authors' teacher (one history shared by every block cannot
+        take block-local positions): the group ends at the anchor, slots at anchor-1."""
+        anchors = batch["anchors"]
+        (B, A), (N, n), K = anchors.shape, group_ids.shape, ctx.shape[1]
+        q = n + self.gamma
+        masks = torch.full((N, self.gamma), self.vocab.mask_token_id, device=group_ids.device)
+        x = embed_in(self, torch.cat([group_ids, masks], 1)).reshape(B, A * q, -1)
+        pos = (anchors[..., None] - (n - 1) + torch.arange(q, device=x.device)).reshape(B, A * q)
+        ctx_pos = (anchors - 1)[..., None].expand(B, A, K).reshape(B, A * K)
+        ckv = self.backbone.memory_kv(ctx.reshape(B, A * K, -1), ctx_pos)
+        kv = [(torch.cat([hk, ck], 2), torch.cat([hv, cv], 2))
+              for (hk, hv), (ck, cv) in zip(packed_history_kv(self, batch), ckv)]
+        mask = packed_block_mask(batch, q, K, self.cfg.history_window)
+        h = self.backbone(x, pos, StaticMemory(kv), mask)
+        return self.backbone.norm(h).reshape(N, q, -1)[:, n:]
+
     def forward_train(self, batch: dict) -> torch.Tensor:
         """Teacher-forced logits [B, A, gamma, V] (or [A, gamma, V] for one sequence)
         for the batch of `dlite.models.common.block_layout`."""
@@ -167,7 +199,8 @@ class DLiteV1Drafter(nn.Module):
         ctx = self.context(gather_positions(batch["features"], anchors - 1).reshape(B * A, -1))
         two = self.cfg.anchor_group_size == 2
         group = torch.stack([pivot, prev[:, 0]], 1) if two else prev[:, :1]
-        logits = self.sequential_head(self._hidden(group, ctx), prev, pivot if two else None)
+        h = self._teacher_hidden(batch, group, ctx) if self.cfg.v1_teacher else self._hidden(group, ctx)
+        logits = self.sequential_head(h, prev, pivot if two else None)
         logits = logits.view(B, A, g, -1)
         return logits[0] if single else logits
 
@@ -191,6 +224,9 @@ class DLiteV1Drafter(nn.Module):
     def draft(self, state, new_features: torch.Tensor, anchor_id: int, anchor_pos: int,
               temperature: float, generator: Optional[torch.Generator] = None):
         """Uses only the last feature row (position anchor_pos-1) and the pivot token."""
+        if self.cfg.v1_teacher:
+            raise ValueError("a dlite_v1 teacher (drafter.v1_teacher) is a training stage's model: "
+                             "it distils a student and does not draft in this project")
         feat = new_features.reshape(-1, self.feature_dim)[-1:]
         pivot = self._pivot(state, anchor_pos) if self.cfg.anchor_group_size == 2 else None
         group = torch.tensor([[anchor_id] if pivot is None else [pivot, anchor_id]], device=feat.device)

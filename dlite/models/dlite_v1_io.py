@@ -55,6 +55,9 @@ def _published_config(ours: dict) -> dict:
         raise ArtifactError(f"architecture {arch!r}: only dlite_v1 drafters can be written in the "
                             f"published layout (dlite: one fused context vector through the target's "
                             f"lm_head; teacher / dspark: history K/V)")
+    if d.get("v1_teacher"):  # their swa_teacher role keys its history path differently
+        raise ArtifactError("a dlite_v1 teacher (drafter_config.v1_teacher): only the student "
+                            "(pivot_q_student) is written in the published layout")
     if ours.get("mask_embedding") == "learned" or ours.get("mask_token_id", LEARNED_MASK) < 0:
         raise ArtifactError("mask_embedding 'learned': the published layout has no key for a learned "
                             "MASK row (their runtime needs mask_token_id = a vocabulary row)")

@@ -3,7 +3,7 @@ projected target features of every position before the anchor become extra
 keys/values of every layer -- a packed mask for training, a growing drafter-side
 cache (`HistoryCache`) at inference."""
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -12,16 +12,21 @@ from dlite.models.layers import Backbone
 
 
 
-def packed_block_mask(batch: dict, gamma: int, n_ctx: int) -> torch.Tensor:
+def packed_block_mask(batch: dict, gamma: int, n_ctx: int, window: Optional[int] = None) -> torch.Tensor:
     """Bool mask [B, 1, A*g, L + A*n_ctx + A*g] for packing all blocks of a sequence in
-    one forward: a block sees history positions < its anchor (same segment only),
-    its own context key(s), and its own block bidirectionally -- never other blocks."""
+    one forward: a block sees history positions < its anchor (same segment only; with
+    `window`, only the last `window` of them: anchor-window..anchor-1, the authors'
+    sliding-window teacher), its own context key(s), and its own block bidirectionally
+    -- never other blocks."""
     anchors, L = batch["anchors"], batch["input_ids"].shape[1]
     B, A = anchors.shape
     dev = anchors.device
     qb = torch.arange(A, device=dev).repeat_interleave(gamma)      # block of each query
     q_anchor = anchors[:, qb]                                      # [B, A*g]
-    hist = torch.arange(L, device=dev)[None, None, :] < q_anchor[..., None]
+    pos = torch.arange(L, device=dev)[None, None, :]
+    hist = pos < q_anchor[..., None]
+    if window is not None:
+        hist = hist & (pos >= q_anchor[..., None] - window)
     seg = batch.get("seq_ids")
     if seg is not None:
         hist = hist & (seg[:, None, :] == gather_positions(seg, q_anchor)[..., None])
@@ -36,10 +41,13 @@ def packed_block_mask(batch: dict, gamma: int, n_ctx: int) -> torch.Tensor:
 class HistoryCache:
     """A drafter-side per-layer KV cache of the projected target history (DFlash /
     DSpark style). Grows with the context (capacity doubles); the block's own entries
-    are written after `length` and never committed, which crops them for free."""
+    are written after `length` and never committed, which crops them for free. With
+    `window`, `join` hands attention only the last `window` history positions (the
+    cache still holds all: the window slides over it)."""
 
-    def __init__(self, backbone: Backbone, dtype, device, reserve: int):
+    def __init__(self, backbone: Backbone, dtype, device, reserve: int, window: Optional[int] = None):
         self.n_layers, self.dtype, self.device = len(backbone.layers), dtype, device
+        self.window = window
         self.kv_shape = (backbone.cfg.num_kv_heads, backbone.cfg.head_dim)
         self.reserve, self.length, self.capacity = reserve, 0, 0
         self.k: List[torch.Tensor] = []
@@ -71,7 +79,8 @@ class HistoryCache:
         self._grow(end)
         self.k[layer][:, :, self.length:end] = k
         self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        start = 0 if self.window is None else max(0, self.length - self.window)
+        return self.k[layer][:, :, start:end], self.v[layer][:, :, start:end]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

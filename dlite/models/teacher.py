@@ -1,9 +1,12 @@
 """The history-aware intermediate teacher (training stage 1): exactly the DLite drafter
 (same backbone, context feature and sequential head, same parameter names) plus the
-history path of `dlite.models.history`. Its shared weights then initialise the
-history-free student (`init_student_from_teacher`)."""
+history path of `dlite.models.history` (all of the history, or the last
+`drafter.history_window` positions: the authors' sliding-window teacher). Its shared
+weights then initialise the history-free student (`init_student_from_teacher`), or its
+sequential head alone is copied into a student trained from scratch (`copy_head`, the
+published recipe)."""
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
@@ -46,7 +49,7 @@ class HistoryTeacher(nn.Module):
             kv = [(torch.cat([hk, ck], 2), torch.cat([hv, cv], 2))
                   for (hk, hv), (ck, cv) in zip(kv, ckv)]
             n_ctx = 1
-        mask = packed_block_mask(batch, g, n_ctx)
+        mask = packed_block_mask(batch, g, n_ctx, self.cfg.history_window)
         h = self.backbone(x, lay["block_pos"].reshape(B, A * g), StaticMemory(kv), mask)
         logits = head_logits(self, h.reshape(B * A, g, -1), lay["prev_ids"].reshape(B * A, g))
         logits = logits.view(B, A, g, -1)
@@ -54,7 +57,8 @@ class HistoryTeacher(nn.Module):
 
     def new_state(self) -> HistoryCache:
         w = self.hist_proj.weight
-        return HistoryCache(self.backbone, w.dtype, w.device, reserve=self.gamma + 1)
+        return HistoryCache(self.backbone, w.dtype, w.device, reserve=self.gamma + 1,
+                            window=self.cfg.history_window)
 
     @torch.no_grad()
     def draft(self, state: HistoryCache, new_features: torch.Tensor, anchor_id: int,
@@ -107,3 +111,38 @@ def _check_same_vocab(s, t) -> None:
     if not same:
         raise ValueError("student and teacher have different draft vocabularies: build the "
                          "student with the teacher's (`teacher.vocab.draft_ids`)")
+
+
+# The sequential head of each design (by `cfg.arch`): what recipe "published" copies
+# from the teacher and freezes for stage 1 (the authors freeze their whole
+# `sequential_head`, its own r -> V output projection included; ours projects through
+# the frozen target lm_head). `dlite.train.optim.adamw` gives it a parameter group of its own.
+HEAD_MODULES = {"dlite": "head.", "teacher": "head.", "dlite_v1": "sequential_head."}
+
+
+def head_prefix(model) -> Optional[str]:
+    return HEAD_MODULES.get(getattr(getattr(model, "cfg", None), "arch", None))
+
+
+def head_parameters(model) -> list:
+    """The parameters of the model's sequential head (`HEAD_MODULES`; none for DSpark)."""
+    prefix = head_prefix(model)
+    return [p for n, p in model.named_parameters() if prefix and n.startswith(prefix)]
+
+
+def copy_head(student, teacher) -> List[str]:
+    """Copy the teacher's sequential head into the student (recipe "published"): same
+    names and shapes required, every head weight of the student covered. Returns the names."""
+    _check_same_vocab(student.vocab, teacher.vocab)
+    prefix = head_prefix(student)
+    s_state, t_state = student.state_dict(), teacher.state_dict()
+    names = [n for n in s_state if prefix and n.startswith(prefix)]
+    bad = [n for n in names if n not in t_state or t_state[n].shape != s_state[n].shape]
+    if not names or bad:
+        raise ValueError(f"train.recipe=published copies the teacher's sequential head ({prefix}*), but "
+                         f"the teacher lacks or differs in {bad[:4] or 'all of it'}: same drafter.head / "
+                         f"head_hidden / sizes needed")
+    with torch.no_grad():
+        for n in names:
+            s_state[n].copy_(t_state[n])
+    return names

@@ -5,14 +5,16 @@ see `dlite.train.optim.PlainEngine` for the surface) and the callbacks (log /
 checkpoint / validate) are passed in, so the same function runs a debug session on a
 laptop and a resumed rank of a multi-node job."""
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
 
+from dlite.models.teacher import head_parameters
 from dlite.train.optim import lr_at
-from dlite.train.step import compute_loss
+from dlite.train.step import LossSpec, compute_loss
 
 
 @dataclass
@@ -22,8 +24,38 @@ class LoopConfig:
     warmup_frac: float = 0.04
     grad_accum: int = 1
     distill_steps: int = 0  # the first N steps use the teacher as reference (align stage)
+    blend_steps: int = 0    # then N steps blending the teacher's loss into the target's
     eval_every: int = 0     # 0: validate only at the end
     log_every: int = 1
+    spec: LossSpec = field(default_factory=LossSpec)
+    # Recipe "published": the sequential head (copied from the teacher) frozen during the
+    # distill steps; it trains again from the blend on, as in the authors' recipe.
+    freeze_head: bool = False
+
+
+def teacher_share(step: int, distill_steps: int, blend_steps: int) -> float:
+    """The stage-1 (teacher) weight of a step: 1 while distilling, then a cosine from 1
+    to 0 over the blend steps (stage 2 = 1 - it: 0.5 * (1 - cos(pi * i / (n - 1))), as the
+    authors' transition epoch; 0.5 for a blend of one step), then 0."""
+    i = step - distill_steps
+    if i < 0:
+        return 1.0
+    if i >= blend_steps:
+        return 0.0
+    stage2 = 0.5 if blend_steps == 1 else 0.5 * (1 - math.cos(math.pi * i / (blend_steps - 1)))
+    return 1.0 - stage2
+
+
+def freeze_head(engine, frozen: bool, lr: float) -> None:
+    """Freeze (or thaw) the model's sequential head: no gradients (as the authors), and
+    learning rate 0 for its parameter group (`dlite.train.optim.adamw`), so no engine
+    moves it -- DeepSpeed's ZeRO optimizer steps every parameter with a zero gradient
+    where it has none, and decoupled weight decay would still shrink it."""
+    for p in head_parameters(engine.module):
+        p.requires_grad_(not frozen)
+    for g in engine.optimizer.param_groups:
+        if g.get("name") == "head":
+            g["lr"] = 0.0 if frozen else lr
 
 
 def to_device(batch: dict, device) -> dict:
@@ -84,12 +116,15 @@ def train_loop(engine, batches: Iterator[dict], cfg: LoopConfig, start_step: int
         model.train()
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup_frac)
         engine.set_lr(lr)
-        ref = teacher if step < cfg.distill_steps else None
+        share = teacher_share(step, cfg.distill_steps, cfg.blend_steps) if teacher is not None else 0.0
+        ref = teacher if share > 0 else None
+        if cfg.freeze_head:
+            freeze_head(engine, step < cfg.distill_steps, lr)
         for _ in range(cfg.grad_accum):
             t_data = time.perf_counter()
             batch = to_device(next(batches), engine.device)
             data_s += time.perf_counter() - t_data  # waiting for input: ingest, decode, collate
-            loss, m = compute_loss(model, batch, teacher=ref)
+            loss, m = compute_loss(model, batch, teacher=ref, spec=cfg.spec, teacher_share=share)
             engine.backward(loss)
             loss_sum += loss.item()
             samples += batch["input_ids"].shape[0]
@@ -101,7 +136,7 @@ def train_loop(engine, batches: Iterator[dict], cfg: LoopConfig, start_step: int
         # Per-slot figures are the last micro-batch's; the loss is the step's mean.
         last = {**flat_metrics(m), "loss": loss_sum / cfg.grad_accum, "lr": lr,
                 **_throughput(dt, cpu, samples, tokens, run), "data_s": data_s,
-                "distilling": float(ref is not None), **peak_memory(engine.device)}
+                "distilling": float(ref is not None), "teacher_share": share, **peak_memory(engine.device)}
         if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             log(step, last)
         if is_eval_step(step, cfg):

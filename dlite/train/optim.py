@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from dlite.models.teacher import head_parameters
+
 
 def lr_at(step: int, total: int, lr: float, warmup_frac: float, floor: float = 0.1) -> float:
     """Warm-up over `warmup_frac` of the steps, then cosine from lr down to floor*lr."""
@@ -18,8 +20,15 @@ def lr_at(step: int, total: int, lr: float, warmup_frac: float, floor: float = 0
 
 
 def adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; the sequential head (`head_parameters`) in a
+    group of its own named "head", which the published recipe freezes by its lr
+    (`dlite.train.loop.freeze_head`)."""
+    head = {id(p) for p in head_parameters(model)}
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    groups = [{"params": [p for p in params if id(p) not in head], "name": "body"},
+              {"params": [p for p in params if id(p) in head], "name": "head"}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95),
+                             weight_decay=weight_decay)
 
 
 class PlainEngine:

@@ -4,7 +4,11 @@
   align    the DLite student, initialised from the teacher's shared weights, distilling
            the teacher's block distributions for `distill_frac` of `steps_align`, then
            against the target. `train.skip_teacher` is the ablation: the student from
-           scratch, against the target for all `steps_align` steps (same step count)
+           scratch, against the target for all `steps_align` steps (same step count).
+           `train.recipe: published` is the authors' (FlashMTP `train_dlite_two_stage.py`):
+           from scratch but the teacher's sequential head, copied and frozen for stage 1
+           (KL to the teacher, `distill_frac`), a cosine blend of the two losses
+           (`blend_frac`), then stage 2 against the target (`dlite.train.loop`)
   dspark   the DSpark-style baseline (`arch=dspark`) against the target
 
 The teacher is run on the fly during distillation, on the same `full` shard batch as
@@ -33,10 +37,16 @@ from dlite.data import shards
 from dlite.export import load_drafter
 from dlite.data import draft_vocab as dv
 from dlite.models import DrafterConfig, build_drafter, init_student_from_teacher
+from dlite.models.teacher import copy_head
 from dlite.train.data import collate, training_row
 from dlite.train.loop import LoopConfig, to_device
+from dlite.train.step import LossSpec
 
 STAGE_ARCH = {"teacher": "teacher", "align": "dlite", "dspark": "dspark"}
+
+
+# A plan's architecture that is a drafter config's arch + flags (`drafter_config`).
+PLAN_ARCHS = {"dlite_v1_teacher": {"arch": "dlite_v1", "v1_teacher": True}}
 
 
 @dataclass
@@ -45,7 +55,9 @@ class StagePlan:
     arch: str
     steps: int
     distill_steps: int = 0
-    from_teacher: bool = False  # init the student from the teacher and distil it
+    from_teacher: bool = False  # the student needs the teacher (init and / or distillation)
+    blend_steps: int = 0
+    recipe: str = "teacher_init"  # "published": from scratch but the head, copied and frozen
 
     @property
     def needs_teacher(self) -> bool:
@@ -57,8 +69,9 @@ def plan_stage(cfg, stage: str) -> StagePlan:
     t = cfg.train
     if stage not in STAGE_ARCH:
         raise ValueError(f"stage must be one of {sorted(STAGE_ARCH)}, got {stage!r}")
-    if stage == "teacher":
-        return StagePlan(stage, "teacher", t.steps_teacher)
+    if stage == "teacher":  # the published design has a teacher of its own shape
+        return StagePlan(stage, "dlite_v1_teacher" if cfg.drafter.arch == "dlite_v1" else "teacher",
+                         t.steps_teacher)
     if stage == "dspark":
         return StagePlan(stage, "dspark", t.steps_dspark)
     # The align stage trains our DLite, or the published design when the drafter section
@@ -66,18 +79,23 @@ def plan_stage(cfg, stage: str) -> StagePlan:
     arch = "dlite_v1" if cfg.drafter.arch == "dlite_v1" else "dlite"
     if t.skip_teacher:
         return StagePlan(stage, arch, t.steps_align)
-    return StagePlan(stage, arch, t.steps_align, round(t.distill_frac * t.steps_align), True)
+    return StagePlan(stage, arch, t.steps_align, round(t.distill_frac * t.steps_align), True,
+                     round(t.blend_frac * t.steps_align), t.recipe)
 
 
 def loop_config(cfg, plan: StagePlan) -> LoopConfig:
+    """The loop's schedule and loss (recipe "published": the head frozen in stage 1)."""
     t = cfg.train
     return LoopConfig(steps=plan.steps, lr=t.lr, warmup_frac=t.warmup_frac, grad_accum=t.grad_accum,
-                      distill_steps=plan.distill_steps, eval_every=t.eval_every)
+                      distill_steps=plan.distill_steps, blend_steps=plan.blend_steps,
+                      eval_every=t.eval_every, spec=LossSpec.from_train(t),
+                      freeze_head=plan.recipe == "published" and plan.from_teacher)
 
 
 def drafter_config(cfg, arch: str) -> DrafterConfig:
     """The drafter section with the stage's architecture (plain or structured config)."""
-    return DrafterConfig(**{**OmegaConf.to_container(cfg.drafter, resolve=True), "arch": arch})
+    over = PLAN_ARCHS.get(arch, {"arch": arch})
+    return DrafterConfig(**{**OmegaConf.to_container(cfg.drafter, resolve=True), **over})
 
 
 # ---------------------------------------------------------------- models
@@ -128,8 +146,9 @@ def load_teacher(path: str, vocab: tuple, device=None, dtype=torch.float32):
     """The frozen teacher from its exported artifact (never trained here), in the
     student's compute dtype."""
     teacher = load_drafter(teacher_dir(path), vocab[0], vocab[1])
-    if teacher.cfg.arch != "teacher":
-        raise ValueError(f"--teacher {path}: architecture {teacher.cfg.arch!r}, not 'teacher'")
+    if teacher.cfg.arch != "teacher" and not teacher.cfg.v1_teacher:
+        raise ValueError(f"--teacher {path}: architecture {teacher.cfg.arch!r}, not 'teacher' "
+                         f"(or a dlite_v1 teacher)")
     teacher.requires_grad_(False)
     return teacher.to(device or "cpu", dtype).eval()
 
@@ -146,12 +165,15 @@ def build_model(cfg, plan: StagePlan, vocab: tuple, teacher=None, device=None, d
     if n is not None and draft_ids is None:
         raise ValueError(f"drafter.draft_vocab_size={n}: build_model needs the draft vocabulary "
                          f"(dlite.train.plan.draft_vocab_from_shards on the training shards)")
-    parts = {"final_norm_weight": load_final_norm(cfg.target)} if plan.arch == "dlite_v1" else {}
+    parts = {"final_norm_weight": load_final_norm(cfg.target)} if plan.arch.startswith("dlite_v1") else {}
     model = build_drafter(drafter_config(cfg, plan.arch), *vocab, draft_vocab=draft_ids, **parts)
     if plan.from_teacher:
         if teacher is None:
             raise ValueError("the align stage needs --teacher (or train.skip_teacher=true)")
-        init_student_from_teacher(model, teacher)
+        if plan.recipe == "published":
+            copy_head(model, teacher)  # the rest stays at its fresh init
+        else:
+            init_student_from_teacher(model, teacher)
     return model.to(device or "cpu")
 
 
@@ -251,7 +273,8 @@ def card_sections(plan: StagePlan, step: int, metrics: dict) -> dict:
     rows = [f"| {k} | {v:.4f} |" for k, v in sorted(metrics.items())
             if k.startswith("val_") and isinstance(v, float)]
     body = (f"Stage `{plan.stage}`, best checkpoint by teacher-forced `val_tau` (step {step} of "
-            f"{plan.steps}; {plan.distill_steps} distillation steps).\n\n| metric | value |\n|---|---|\n"
+            f"{plan.steps}; {plan.distill_steps} distillation steps, {plan.blend_steps} blending, "
+            f"recipe {plan.recipe}).\n\n| metric | value |\n|---|---|\n"
             + "\n".join(rows))
     return {"Training": body}
 

@@ -4,6 +4,9 @@ loss (DLITE.md §3). The reference is the target (its final hidden states re-pro
 through the frozen lm_head, or stored top-k log-probs) or, while distilling, a frozen
 teacher run on the same batch."""
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from dlite.losses import (RowReference, block_targets, dlite_loss, expected_tau, gather_block_rows,
@@ -42,15 +45,36 @@ def reference_probs(batch: dict, anchors, gamma: int, vocab, teacher=None) -> to
     return reference_rows(batch, anchors, gamma, vocab, teacher).full()
 
 
-def compute_loss(model, batch: dict, teacher=None, ce_weight: float = 0.1,
-                 l1_weight: float = 0.9, chunk_rows=None) -> tuple[torch.Tensor, dict]:
+@dataclass(frozen=True)
+class LossSpec:
+    """What a step's loss is made of (`train.*` keys of the same names). Stage 2 (against
+    the target): ce_weight x CE + tv_weight x L1, slots weighted by `loss_decay`.
+    Stage 1 (against the teacher): the same terms (recipe "teacher_init") or kl_weight x
+    KL(teacher || student) (recipe "published", `distill_kl`)."""
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    loss_decay: Optional[float] = 4.0
+    kl_weight: float = 1.0
+    distill_kl: bool = False
+    ce_target_argmax: bool = False  # CE's label = the reference's argmax, not the data token
+
+    @classmethod
+    def from_train(cls, t) -> "LossSpec":
+        return cls(t.ce_weight, t.tv_weight, t.loss_decay, t.kl_weight, t.recipe == "published",
+                   t.ce_labels == "target_argmax")
+
+
+def compute_loss(model, batch: dict, teacher=None, spec: LossSpec = LossSpec(),
+                 teacher_share: float = 1.0, chunk_rows=None) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) for a batch dict: input_ids [B,L], features [B,L,F], anchors [B,A],
     optional loss_mask [B,L], anchor_mask [B,A], seq_ids [B,L], and the reference
     (`ref_hidden` [B,L,H] or `topk_ids`/`topk_logprobs` [B,L,k]; per block, `*_blocks`
-    [B,A,γ,...], from `anchors` storage) unless a teacher is given. With a draft
-    vocabulary, data tokens outside it are left out of the CE term and counted
-    (`oov_slots`, `oov_share` of valid slots). The loss runs over `chunk_rows` slot rows
-    at a time (default: `dlite.losses.chunk_rows_for` the target vocabulary)."""
+    [B,A,γ,...], from `anchors` storage) unless a teacher is given. With a teacher, the
+    loss is teacher_share x (stage 1 against it) + (1 - teacher_share) x (stage 2 against
+    the target): 1 = stage 1 alone, in between = the blend (both on the same logits).
+    With a draft vocabulary, data tokens outside it are left out of the CE term and
+    counted (`oov_slots`, `oov_share` of valid slots). The loss runs over `chunk_rows`
+    slot rows at a time (default: `dlite.losses.chunk_rows_for` the target vocabulary)."""
     anchors, gamma, vocab = batch["anchors"], model.gamma, model.vocab
     if any(k.endswith("_blocks") for k in batch) and (teacher is not None or model.needs_history):
         raise ValueError("an `anchors`-storage batch has features at its anchors only: it trains "
@@ -59,12 +83,27 @@ def compute_loss(model, batch: dict, teacher=None, ce_weight: float = 0.1,
     logits = model.forward_train(batch)
     targets, valid = block_targets(batch["input_ids"], anchors, gamma, batch.get("loss_mask"),
                                    batch.get("anchor_mask"), batch.get("seq_ids"))
-    ref = reference_rows(batch, anchors, gamma, vocab, teacher)
+    ce_valid = None
+    if vocab.draft_ids is not None:
+        targets = vocab.to_draft(targets)  # -1: outside the draft vocabulary, not learnable
+        ce_valid = None if spec.ce_target_argmax else targets >= 0
+    share = 0.0 if teacher is None else teacher_share
+    loss, m = 0.0, None
+    if share < 1:  # stage 2: the target
+        ref = reference_rows(batch, anchors, gamma, vocab)
+        loss2, m = dlite_loss(logits, targets, valid, ref, spec.ce_weight, spec.tv_weight, spec.loss_decay,
+                              ce_valid, chunk_rows, ref_labels=spec.ce_target_argmax)
+        loss = (1 - share) * loss2
+    if share > 0:  # stage 1: the teacher
+        ref = reference_rows(batch, anchors, gamma, vocab, teacher)
+        terms = (0.0, 0.0, spec.kl_weight) if spec.distill_kl else (spec.ce_weight, spec.tv_weight, 0.0)
+        loss1, m1 = dlite_loss(logits, targets, valid, ref, terms[0], terms[1], spec.loss_decay, ce_valid,
+                               chunk_rows, kl_weight=terms[2])
+        loss = loss + share * loss1
+        m = m1 if m is None else {**m, "stage1_loss": m1["loss"], "stage1_kl": m1["kl"]}
+    m = {**m, "loss": float(loss.detach()), "teacher_share": share}
     if vocab.draft_ids is None:
-        return dlite_loss(logits, targets, valid, ref, ce_weight, l1_weight, chunk_rows=chunk_rows)
-    targets = vocab.to_draft(targets)  # -1: outside the draft vocabulary, not learnable
-    loss, m = dlite_loss(logits, targets, valid, ref, ce_weight, l1_weight, ce_valid=targets >= 0,
-                         chunk_rows=chunk_rows)
+        return loss, m
     oov = int((valid & (targets < 0)).sum())
     return loss, {**m, "oov_slots": oov, "oov_share": oov / max(1, m["valid_slots"])}
 

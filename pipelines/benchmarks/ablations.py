@@ -53,7 +53,24 @@ ABLATIONS: Dict[str, tuple] = {  # in the order `all` runs them: the likeliest c
                             "the published design with 1 backbone layer instead of 5"),
     "published_v1_g1": ({"published": {"drafter.anchor_group_size": 1}},
                         "the published design with G=1 (anchor + MASKs) instead of G=2"),
+    # The published training recipe (`train.recipe: published`, RECIPE below) and its
+    # sliding-window teacher, on their design and on ours; the teacher + align budget
+    # of the benchmark, the teacher's steps kept as a stage.
+    "published_recipe": ({"published": {"train.skip_teacher": False, "recipe": True}},
+                         "the published design trained with the published recipe (its own 512-window "
+                         "teacher; head copied and frozen, KL, cosine blend, CE + TV)"),
+    "recipe_published_on_ours": ({"recipe": True},
+                                 "our design trained with the published recipe instead of teacher "
+                                 "initialisation"),
+    "teacher_window_512": ({"drafter.history_window": 512},
+                           "the teacher sees the last 512 history positions instead of all of them"),
 }
+# The published recipe at this project's budget (FlashMTP `run_training_dlite_two_stage.sh`
+# defaults: KL weight 1, stage-2 CE 1 + TV 1 on the target's greedy token, no slot decay;
+# their 1-epoch stage 1 / 1-epoch blend become a quarter of the align steps each here).
+RECIPE = {"train.recipe": "published", "train.distill_frac": 0.25, "train.blend_frac": 0.25,
+          "train.kl_weight": 1.0, "train.ce_weight": 1.0, "train.tv_weight": 1.0,
+          "train.loss_decay": None, "train.ce_labels": "target_argmax", "drafter.history_window": 512}
 STAGES = ["collect", "teacher", "align", "evaluate"]
 PUBLISHED_STAGES = ["collect", "align", "evaluate"]  # trained from scratch: no teacher stage
 
@@ -79,7 +96,8 @@ def parse(names: str, cfg=None) -> List[str]:
 VOCAB_SWEEP = ("vocab_half", "vocab_double", "vocab_full", "vocab_prior_code")
 # The override that makes an ablation what it is: a config already set that way would
 # only retrain the benchmark's own drafter.
-DECIDING_KEY = {"vocab_prior_code": "drafter.draft_vocab_prior", "supervise_all": "train.supervise"}
+DECIDING_KEY = {"vocab_prior_code": "drafter.draft_vocab_prior", "supervise_all": "train.supervise",
+                "teacher_window_512": "drafter.history_window"}
 
 
 def why_not(cfg, name: str):
@@ -118,12 +136,14 @@ def ablation_config(cfg, name: str, window: int):
         over["drafter.draft_vocab_size"] = None if factor is None else int(cfg.drafter.draft_vocab_size * factor)
     if "published" in over:
         over.update(_published(cfg, over.pop("published")))
+    if over.pop("recipe", False):
+        over.update(RECIPE)
     dotted = [f"{k}={'null' if v is None else v}" for k, v in over.items()]
     base = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
     out = bench_config(base, window)
     alone = {k: v for k, v in {"baselines": [], "hybrids": [], "context_vocab": False}.items()
              if f"eval.{k}" not in over}  # the DLite variant alone, unless the ablation says
-    stages = PUBLISHED_STAGES if name.startswith("published") else STAGES
+    stages = PUBLISHED_STAGES if out.train.skip_teacher else STAGES  # from scratch: no teacher
     out = OmegaConf.merge(out, {"run": {"stages": stages, "name": f"{out.run.name}-{name}"},
                                 "eval": {"temperatures": [0.0], "speed_trajectories": 1, **alone}})
     validate(out)
@@ -139,7 +159,9 @@ def _published(cfg, extra: dict) -> dict:
     if layers is None or width is None:
         raise ValueError("--ablations published_*: the target's num_layers / hidden_size are unknown "
                          "(set target.num_layers and target.hidden_size)")
-    t = cfg.train
+    t, extra = cfg.train, dict(extra)
+    if not extra.get("train.skip_teacher", True):  # with its teacher: the benchmark's split of steps
+        extra = {"train.steps_align": t.steps_align, **extra}
     return {"drafter.arch": "dlite_v1", "drafter.target_layer_ids": published_layer_ids(layers, min(7, layers)),
             "drafter.hidden_size": width, "drafter.num_layers": 5, "drafter.anchor_group_size": 2,
             "drafter.sequential_rank": 256, "drafter.draft_vocab_size": None,

@@ -33,7 +33,8 @@ from pipelines.common import tracking
 MARKER = "stage.json"
 _TRAIN_COMMON = ("run.seed", "drafter", "train.lr", "train.warmup_frac", "train.weight_decay",
                  "train.batch_size", "train.grad_accum", "train.grad_clip", "train.zero_stage",
-                 "train.precision", "train.eval_every", "train.supervise", "cluster.num_workers")
+                 "train.precision", "train.eval_every", "train.supervise", "cluster.num_workers",
+                 "train.ce_weight", "train.tv_weight", "train.loss_decay", "train.ce_labels")
 # Which drafter each training stage yields, under the name reports and plots use.
 METHODS = {"align": "dlite", "align_no_teacher": "dlite_no_teacher", "dspark": "dspark"}
 
@@ -56,17 +57,20 @@ class StageDef:
 _REGEN_KEYS = ("run.seed", "target", "data.train_path", "data.n_train", "data.min_chars",
                "data.max_chars", "data.skip_other_files", "data.keep_reasoning",
                "data.records_per_shard", "data.regen_max_new_tokens", "data.regen_temperature",
-               "data.regen_top_p", "data.regen_samples")
+               "data.regen_top_p", "data.regen_samples", "data.corpus", "data.extra_prompts",
+               "data.extra_prompts_limit")
 DEFS = [
     StageDef("regenerate", (), _REGEN_KEYS, switch="data.regenerate", feeds="collect"),
     StageDef("collect", ("regenerate",), ("run.seed", "target", "data", "drafter.target_layer_ids",
                                           "drafter.gamma")),
     StageDef("teacher", ("collect",), _TRAIN_COMMON + ("train.steps_teacher",)),
-    StageDef("align", ("collect", "teacher"), _TRAIN_COMMON + ("train.steps_align", "train.distill_frac")),
+    StageDef("align", ("collect", "teacher"), _TRAIN_COMMON + ("train.steps_align", "train.distill_frac",
+                                                         "train.recipe", "train.blend_frac", "train.kl_weight")),
     StageDef("align_no_teacher", ("collect",), _TRAIN_COMMON + ("train.steps_teacher", "train.steps_align")),
     StageDef("dspark", ("collect",), _TRAIN_COMMON + ("train.steps_dspark",)),
     StageDef("evaluate", ("align", "align_no_teacher", "dspark"),
-             ("run.seed", "target", "data.heldout_path", "data.min_chars", "data.max_chars", "eval")),
+             ("run.seed", "target", "data.heldout_path", "data.corpus", "data.min_chars", "data.max_chars",
+              "eval")),
     StageDef("publish", ("evaluate", "align"), ("gate", "tracking.registered_model")),
 ]
 BY_NAME = {d.name: d for d in DEFS}
@@ -99,10 +103,20 @@ def _value(cfg, key: str):
 
 # Settings added after stages were first hashed: at these values they leave a stage's
 # hash as it was, so finished stages stay reusable (a section's field, or a whole key).
-_HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size": 2, "sequential_rank": 256},
+_HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size": 2, "sequential_rank": 256,
+                             "v1_teacher": False, "history_window": None},
                  "train.supervise": "assistant",
+                 # the stage-2 loss and recipe as they were hard-wired before they were keys
+                 "train.ce_weight": 0.1, "train.tv_weight": 0.9, "train.loss_decay": 4.0,
+                 "train.ce_labels": "data", "train.recipe": "teacher_init", "train.blend_frac": 0.0,
+                 "train.kl_weight": 1.0,
+                 "data.corpus": "builtin", "data.extra_prompts": None, "data.extra_prompts_limit": 0,
                  "data": {"regen_temperature": 0.0, "regen_top_p": 1.0, "regen_samples": 1,
-                          "regen_batch_size": 8}}
+                          "regen_batch_size": 8, "corpus": "builtin", "extra_prompts": None,
+                          "extra_prompts_limit": 0},
+                 "eval": {"verify_cost_tokens": [1, 2, 4, 8], "verify_cost": [1.0, 1.4, 1.6, 2.2],
+                          "tree_budget": 16, "calibration_trajectories": 1,
+                          "calibration_max_turns": None}}
 
 
 def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:

@@ -20,10 +20,10 @@ def results_table(results: Dict[str, dict]) -> str:
     if not ev:
         return "(no evaluation in this run)"
     # `lower`: the speedup's lower bound over its timing pairs, what the release gate reads.
-    rows = [f"{'method':<18} {'tau':>6} {'speedup':>8} {'lower':>6} {'tau T=1':>8} {'speedup T=1':>11} lossless",
-            f"{'plain decoding':<18} {'1.00':>6} {'1.00':>8} {'-':>6} {'1.00':>8} {'1.00':>11} -"]
+    rows = [f"{'method':<21} {'tau':>6} {'speedup':>8} {'lower':>6} {'tau T=1':>8} {'speedup T=1':>11} lossless",
+            f"{'plain decoding':<21} {'1.00':>6} {'1.00':>8} {'-':>6} {'1.00':>8} {'1.00':>11} -"]
     for name, m in ev["methods"].items():
-        rows.append(f"{name:<18} {_fmt(m['tau']):>6} {_fmt(m['speedup_vs_ar']):>8} "
+        rows.append(f"{name:<21} {_fmt(m['tau']):>6} {_fmt(m['speedup_vs_ar']):>8} "
                     f"{_fmt(m.get('speedup_vs_ar_lower')):>6} {_fmt(m['tau_t1']):>8} "
                     f"{_fmt(m['speedup_vs_ar_t1']):>11} {lossless_label(m, ev.get('lossless_rule'))}")
     return "\n".join(rows)

@@ -248,17 +248,17 @@ def run_missing_shards(cfg, store: Store, specs: list, plan_id: str, stage: str,
 
 
 def _resolve_input(cfg, input_path: str, output: str) -> str:
-    """`builtin:train|heldout` -> the built-in corpus written as JSONL beside the output."""
+    """`builtin:train|heldout` -> the built-in corpus (`data.corpus`; training also gets
+    `data.extra_prompts`) written as JSONL beside the output."""
     if not input_path.startswith("builtin:"):
         return input_path
-    from dlite.corpus import trajectories as corpus
+    from dlite.corpus import build
     split, d = input_path.split(":", 1)[1], cfg.data
     n = d.n_train if split == "train" else d.n_heldout
     root = Path(output) if "://" not in output else Path(os.environ.get("TMPDIR", "/tmp"))
-    path = root / f"input-{split}-n{n}-s{cfg.run.seed}.jsonl"
-    if not path.exists():
-        corpus.write_jsonl(corpus.generate(split, n, cfg.run.seed, d.min_chars, d.max_chars), path)
-    return str(path)
+    prompts = d.get("extra_prompts") if split == "train" else None
+    return str(build.input_file(root, d.get("corpus", "builtin"), split, n, cfg.run.seed, d.min_chars,
+                                d.max_chars, prompts, d.get("extra_prompts_limit", 0)))
 
 
 def _manifest(cfg, plan: dict, plan_id: str, tinfo: dict, sides: list, seconds: float) -> dict:

@@ -53,11 +53,25 @@ def heldout_set(cfg) -> tuple:
             raise ValueError(f"data.heldout_path {cfg.data.heldout_path}: no usable record "
                              f"({counts['read']} read, quarantined {counts['reasons'] or 'none'})")
         return records, {"path": str(cfg.data.heldout_path), **counts, "quarantine": bad[:QUARANTINE_LISTED]}
-    from dlite.corpus import trajectories as corpus
+    from dlite.corpus import build
     lo, hi = cfg.eval.min_chars or cfg.data.min_chars, cfg.eval.max_chars or cfg.data.max_chars
-    records = list(corpus.generate("heldout", n, cfg.run.seed, lo, hi))
-    return records, {"path": "builtin:heldout", "read": len(records), "used": len(records),
+    records = build.heldout_records(cfg.data.corpus, n, cfg.run.seed, lo, hi)
+    label = "builtin:heldout" if cfg.data.corpus == "builtin" else f"builtin:{cfg.data.corpus}-heldout"
+    return records, {"path": label, "read": len(records), "used": len(records),
                      "quarantined": 0, "reasons": {}, "quarantine": []}
+
+
+def calibration_set(cfg) -> list:
+    """Validation trajectories for the hybrids' calibration, never the reported ones: the
+    `data.heldout_path` records after the first `eval.n_trajectories`, or built-in
+    held-out trajectories of another seed (run.seed + 1)."""
+    k, n = cfg.eval.calibration_trajectories, cfg.eval.n_trajectories
+    if cfg.data.heldout_path:
+        from dlite.data.heldout import read_heldout
+        return read_heldout(cfg.data.heldout_path, n + k, cfg.data.keep_reasoning)[0][n:]
+    from dlite.corpus import build
+    lo, hi = cfg.eval.min_chars or cfg.data.min_chars, cfg.eval.max_chars or cfg.data.max_chars
+    return build.heldout_records(cfg.data.corpus, k, cfg.run.seed + 1, lo, hi)
 
 
 def heldout_records(cfg) -> list:
@@ -68,11 +82,13 @@ def heldout_records(cfg) -> list:
 def _artifact(drafter_dir) -> tuple:
     """(the artifact's config.json, its architecture: `dlite`, `dlite_v1`, `teacher` or
     `dspark`; older artifacts say `arch`, the oldest nothing: DLite; a directory in the
-    authors' published layout is `dlite_v1`)."""
-    from dlite.models import dlite_v1_io
+    authors' published layout is `dlite_v1`, a SpecForge DFlash export `specforge_dflash`)."""
+    from dlite.models import dflash_peer, dlite_v1_io
     conf = json.loads((Path(drafter_dir) / "config.json").read_text())
     if dlite_v1_io.is_published(Path(drafter_dir)):
         return conf, "dlite_v1"
+    if dflash_peer.is_dflash_export(Path(drafter_dir)):
+        return conf, "specforge_dflash"
     return conf, conf.get("architecture", conf.get("arch", "dlite"))
 
 
@@ -82,19 +98,11 @@ def method_name(drafter_dir) -> str:
     return "dlite_no_teacher" if arch == "dlite" and conf.get("skip_teacher") else arch
 
 
-def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, temperatures: list,
-                threads: int = 1, timed: bool = False) -> dict:
-    """One worker: load the target once, replay `records` with every method (the learned
-    drafters, then eval.baselines and eval.hybrids) at every temperature, one prefill per
-    history for all of them; `timed`: plain decoding interleaved with each method (the
-    speed worker), else run once per prompt and shared (acceptance workers);
-    {method: {temperature: (raw results, skipped turns)}}."""
+def _load(cfg, drafters: Dict[str, str], threads: int) -> tuple:
+    """(target, tokenizer, {name: loaded drafter}, vocab size) in this worker."""
     import torch
     from dlite import target as tgt
-    from dlite.decoding.methods import method_builders
-    from dlite.decoding.replay import replay_methods
     from dlite.export import load_drafter
-    cfg = OmegaConf.create(cfg_dict)
     # Acceptance workers share the cores, one thread each; the timed worker runs alone
     # with eval.threads (tiny targets time best single-threaded, SmolLM2 with 2).
     torch.set_num_threads(threads)
@@ -107,12 +115,40 @@ def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, tempera
     learned = {}
     for name, path in drafters.items():
         learned[name] = load_drafter(path, embed, lm_head, norm).to(model.dtype)  # the target's dtype
-    builders = method_builders(cfg.eval, learned, lm_head.shape[0])
+    return model, tok, learned, lm_head.shape[0]
+
+
+def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, temperatures: list,
+                threads: int = 1, timed: bool = False, calibration: dict = None) -> dict:
+    """One worker: load the target once, replay `records` with every method (the learned
+    drafters, then eval.baselines and eval.hybrids, those that score proposals with
+    `calibration`) at every temperature, one prefill per history for all of them;
+    `timed`: plain decoding interleaved with each method (the speed worker), else run
+    once per prompt and shared (acceptance workers);
+    {method: {temperature: (raw results, skipped turns)}}."""
+    from dlite.decoding.methods import method_builders
+    from dlite.decoding.replay import replay_methods
+    cfg = OmegaConf.create(cfg_dict)
+    model, tok, learned, vocab = _load(cfg, drafters, threads)
+    builders = method_builders(cfg.eval, learned, vocab, calibration)
     return replay_methods(model, tok, builders, records, cfg.eval, temperatures, timed)[0]
 
 
+def _calibrate(cfg_dict: dict, drafters: Dict[str, str], records: list) -> dict:
+    """One worker: the hybrids' calibration fitted on validation `records` with the
+    primary drafter (`dlite.decoding.calibrate`)."""
+    from dlite.decoding.calibrate import fit_calibration
+    cfg = OmegaConf.create(cfg_dict)
+    model, tok, learned, vocab = _load(cfg, drafters, 1)
+    primary = next(iter(learned.values()))
+    primary.draft_stop_prob = cfg.eval.draft_stop_prob  # as method_builders sets it
+    return fit_calibration(model, tok, cfg.eval, primary, vocab, records, cfg.eval.calibration_max_turns)
+
+
 def _timed_replay(cfg_dict: dict, drafters: Dict[str, str], records: list, temperatures: list,
-                  threads: int) -> tuple:
+                  threads: int, calibration: dict = None) -> tuple:
+
+
     """The speed worker: `_replay_all` timed, and where it ran -- the machine's load
     before and after (1-minute load average), cores, torch threads, CPU model: how much
     a verification saves depends on the machine and what else it runs, so a speedup is
@@ -121,7 +157,7 @@ def _timed_replay(cfg_dict: dict, drafters: Dict[str, str], records: list, tempe
     import platform
     import torch
     before = os.getloadavg()[0]
-    speed = _replay_all(cfg_dict, drafters, records, temperatures, threads, timed=True)
+    speed = _replay_all(cfg_dict, drafters, records, temperatures, threads, timed=True, calibration=calibration)
     return speed, {"loadavg_1m_before": round(before, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2),
                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                    "cpu_model": _cpu_model() or platform.processor() or platform.machine(),
@@ -184,10 +220,11 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
               f"{heldout['quarantined']} quarantined {heldout['reasons']}", flush=True)
     print(f"[evaluate] {len(drafters)} drafters{' + ' + ', '.join(extra) if extra else ''} x "
           f"{len(records)} trajectories x T={temps} on {n} workers, then speed on 1 worker", flush=True)
-    parts = ray.get([task.remote(conf, drafters, records[i::n], temps) for i in range(n)])
+    calibration = _calibration(cfg, conf, drafters, gpus)
+    parts = ray.get([task.remote(conf, drafters, records[i::n], temps, calibration=calibration) for i in range(n)])
     timer = ray.remote(num_cpus=1, num_gpus=gpus)(_timed_replay)
     speed, timing = ray.get(timer.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps,
-                                         cfg.eval.threads))
+                                         cfg.eval.threads, calibration))
     names = [*drafters, *ctx, *cfg.eval.baselines, *cfg.eval.hybrids]  # as `method_builders` orders them
     methods = {name: {**_method_report(cfg, name, parts, speed, temps), "drafter": drafters.get(name)}
                for name in names}
@@ -203,7 +240,23 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
             "timing": {**timing, "plain_tokens_per_s": methods[primary]["tokens_per_s"]["plain"],
                        "pairs": methods[primary]["speedup_vs_ar_spread"]["n_pairs"]},
             "n_trajectories": len(records), "heldout": heldout, "target_fingerprint": tgt.fingerprint(cfg.target),
+            "calibration": calibration,
             "config": conf, "env": env_info()}
+
+
+def _calibration(cfg, conf: dict, drafters: Dict[str, str], gpus) -> dict:
+    """The choose / tree hybrids' calibration, fitted on one worker before the reported
+    replay (None: no such hybrid; `eval.calibration_trajectories` 0: the defaults)."""
+    from dlite.decoding.calibrate import scored_token_methods
+    from dlite.decoding.calibration import Calibration
+    if not scored_token_methods(cfg.eval.hybrids):
+        return None
+    if not cfg.eval.calibration_trajectories:
+        return Calibration().to_dict()
+    records = calibration_set(cfg)
+    print(f"[evaluate] calibrating {list(cfg.eval.hybrids)} on {len(records)} validation trajectories", flush=True)
+    task = ray.remote(num_cpus=1, num_gpus=gpus)(_calibrate)
+    return ray.get(task.remote(conf, drafters, records))
 
 
 def _context_vocab_methods(cfg, drafters: Dict[str, str]) -> list:
@@ -243,11 +296,15 @@ def metric_items(report: dict) -> dict:
     for name, m in report["methods"].items():
         for t, r in m["by_temperature"].items():
             pre = f"{name}.{'greedy' if float(t) == 0 else 't' + format(float(t), 'g')}"
-            for k in ("tau", "speedup_vs_ar", "speedup_vs_ar_lower", "speedup_vs_ar_e2e", "draft_vocab_coverage"):
+            for k in ("tau", "speedup_vs_ar", "speedup_vs_ar_lower", "speedup_vs_ar_e2e", "draft_vocab_coverage",
+                      "verified"):
                 if r.get(k) is not None:
                     out[f"{pre}.{k}"] = r[k]
             out.update({f"{pre}.accept_at_k.{i + 1}": v for i, v in enumerate(r["accept_at_k"]) if v is not None})
             out.update({f"{pre}.tau_by_bucket.{metric_label(b)}": v for b, v in r["tau_by_bucket"].items() if v is not None})
+            # Hybrids: which source the accepted tokens came from; a tree's branches alone.
+            out.update({f"{pre}.source_share.{src}": f["share"] for src, f in (r.get("by_source") or {}).items()})
+            out.update({f"{pre}.branch_tau_alone.{src}": f["tau_alone"] for src, f in (r.get("branches") or {}).items()})
         out[f"{name}.lossless"] = float(bool(m["lossless"]))
         out[f"{name}.lossless_up_to_ties"] = float(bool(m.get("lossless_up_to_ties", m["lossless"])))
     for k in ("loadavg_1m_before", "loadavg_1m_after", "plain_tokens_per_s", "torch_threads"):

@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from dlite.config import TINY_TARGET_DIR, load_config
 
@@ -173,6 +174,31 @@ def test_anchor_shards_train_the_student_only(setup, tmp_path):
     assert done["final"]["global_steps"] == 3 and 1.0 <= done["best"]["val_tau"] <= 8.0
     model, meta = _load(skip, tmp_path / "a")
     assert model.cfg.arch == "dlite" and meta["skip_teacher"] is True
+
+
+def test_published_design_and_recipe_through_the_stages(setup, tmp_path):
+    """The published design's own teacher (a dlite_v1 with a 512-window history) through
+    the teacher stage, then the published recipe's align stage on Ray Train + DeepSpeed
+    ZeRO-2: all steps stage 1 (KL, head copied and frozen) leaves the student's head
+    exactly the teacher's -- no optimizer or weight-decay drift under ZeRO -- while the
+    rest of the student is its own (from scratch, not the teacher's weights)."""
+    from pipelines.stages.train import train_stage
+    over, shards, _ = setup
+    v1 = [*over, "cluster.num_workers=1", "drafter.arch=dlite_v1", "drafter.sequential_rank=32",
+          "drafter.history_window=512", "train.steps_align=3", "train.eval_every=0", "train.recipe=published",
+          "train.distill_frac=1.0", "train.blend_frac=0.0", "train.loss_decay=null"]
+    cfg = load_config("configs/experiments/tiny.yaml", v1)
+    train_stage(cfg, "teacher", shards, str(tmp_path / "teacher"))
+    teacher, meta = _load(cfg, tmp_path / "teacher")
+    assert (teacher.cfg.arch, teacher.cfg.v1_teacher, teacher.cfg.history_window) == ("dlite_v1", True, 512)
+    done = train_stage(cfg, "align", shards, str(tmp_path / "align"), teacher=str(tmp_path / "teacher"))
+    assert done["final"]["global_steps"] == 3 and done["final"]["teacher_share"] == 1.0
+    student, _ = _load(cfg, tmp_path / "align")
+    assert student.cfg.arch == "dlite_v1" and not student.cfg.v1_teacher
+    s, t = student.state_dict(), teacher.state_dict()
+    head = [n for n in s if n.startswith("sequential_head.")]
+    assert head and all(torch.equal(s[n], t[n].to(s[n].dtype)) for n in head)
+    assert not torch.equal(s["layer_depth_embedding.weight"], t["layer_depth_embedding.weight"])
 
 
 def test_jobs_train_dry_run(repo_root, tmp_path):

@@ -15,8 +15,9 @@ def test_parse_names():
         ablations.parse("head_none,nope")
 
 
-@pytest.mark.parametrize("name", [n for n in ablations.ABLATIONS if not n.startswith("published")])
-def test_ablation_config_changes_only_its_switch(name):  # the published design: its own test
+@pytest.mark.parametrize("name", [n for n in ablations.ABLATIONS if not n.startswith("published")
+                                  and "recipe" not in ablations.ABLATIONS[n][0]])
+def test_ablation_config_changes_only_its_switch(name):  # the published design / recipe: own tests
     # The vocabulary sweep varies a configured draft vocabulary (the tiny target's is full).
     over = [] if not name.startswith("vocab_") else ["drafter.draft_vocab_size=256"]
     cfg = load_config("configs/experiments/tiny.yaml", [*over, "eval.baselines=[prompt_lookup]"])
@@ -104,3 +105,33 @@ def test_published_design_ablations_at_the_targets_shape():
     one = ablations.ablation_config(smol, "published_v1_1layer", 1536).drafter
     g1 = ablations.ablation_config(smol, "published_v1_g1", 1536).drafter
     assert (one.num_layers, one.anchor_group_size, g1.num_layers, g1.anchor_group_size) == (1, 2, 5, 1)
+
+
+def test_published_recipe_ablations():
+    """The published recipe (issue 29) as rows: on our design (its teacher windowed to 512,
+    the student from scratch but the copied, frozen head, KL, blend, CE + TV) and on the
+    published design with its own teacher; the benchmark's teacher + align split kept."""
+    smol = load_config("configs/experiments/smollm2.yaml")
+    ours = ablations.ablation_config(smol, "recipe_published_on_ours", 1536)
+    t = ours.train
+    assert (t.recipe, t.distill_frac, t.blend_frac, t.ce_weight, t.tv_weight, t.loss_decay, t.ce_labels) == \
+        ("published", 0.25, 0.25, 1.0, 1.0, None, "target_argmax")
+    assert ours.drafter.history_window == 512 and ours.drafter.arch == "dlite"
+    assert list(ours.run.stages) == ["collect", "teacher", "align", "evaluate"]
+    assert (t.steps_teacher, t.steps_align) == (smol.train.steps_teacher, smol.train.steps_align)
+    theirs = ablations.ablation_config(smol, "published_recipe", 1536)
+    assert theirs.drafter.arch == "dlite_v1" and theirs.drafter.num_layers == 5
+    assert not theirs.train.skip_teacher and theirs.train.recipe == "published"
+    assert theirs.train.steps_align == smol.train.steps_align  # not the from-scratch total
+    assert list(theirs.run.stages) == ["collect", "teacher", "align", "evaluate"]
+    assert "recipe" not in ablations.ABLATIONS["published_recipe"][0]["published"] or \
+        ablations.ABLATIONS["published_recipe"][0]["published"]["recipe"] is True  # the table unchanged
+    from dlite.train import plan as st
+    assert st.plan_stage(theirs, "teacher").arch == "dlite_v1_teacher"
+    assert st.plan_stage(theirs, "align").blend_steps == round(0.25 * smol.train.steps_align)
+
+
+def test_teacher_window_row_not_where_the_config_has_it():
+    cfg = load_config("configs/experiments/tiny.yaml", ["drafter.history_window=512"])
+    assert not ablations.applies(cfg, "teacher_window_512")
+    assert "teacher_window_512" not in ablations.parse("all", cfg)

@@ -2,7 +2,9 @@
 for every architecture, stores no frozen target weights, carries its lineage in
 config.json and a card, and refuses a target that does not fit; `check_artifact` refuses
 a truncated, altered or incomplete directory and a drafter of another target in one
-line naming the file (or both fingerprints), and still accepts a format 1 directory."""
+line naming the file (or both fingerprints), and still accepts a format 1 directory. A
+SpecForge DFlash export is checked, loaded and drafts; one our replay cannot run, and a
+layout nobody reads, are refused in one line (the latter listing the known layouts)."""
 
 import dataclasses
 import hashlib
@@ -152,3 +154,70 @@ def test_refuses_a_drafter_of_another_target(artifact):
     del config["target_fingerprint"]
     (artifact / "config.json").write_text(json.dumps(config))
     assert check_artifact(artifact, "qwen3-8b@ffff").endswith("no target fingerprint recorded")
+
+
+# ---------------------------------------------------------------- other trainers' layouts
+
+def dflash_export(path, layer_types=("full_attention",), **dflash) -> None:
+    """A directory in SpecForge's DFlash export layout (`specforge export --to hf`), written
+    here by hand (the core tests run without specforge; tests/unit/test_peer_dflash.py
+    reads one SpecForge wrote itself): a Qwen3 config + block_size / dflash_config, and
+    fc / hidden_norm / layers / norm tensors."""
+    from safetensors.torch import save_file
+    path.mkdir(parents=True)
+    conf = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": HT,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
+            "intermediate_size": 48, "rms_norm_eps": 1e-6, "vocab_size": V, "block_size": 4,
+            "num_target_layers": 3, "layer_types": list(layer_types),
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": V - 1, **dflash}}
+    g = torch.Generator().manual_seed(0)
+    shapes = {"fc.weight": (HT, 2 * HT), "hidden_norm.weight": (HT,), "norm.weight": (HT,),
+              "layers.0.input_layernorm.weight": (HT,), "layers.0.post_attention_layernorm.weight": (HT,),
+              "layers.0.self_attn.q_proj.weight": (24, HT), "layers.0.self_attn.k_proj.weight": (12, HT),
+              "layers.0.self_attn.v_proj.weight": (12, HT), "layers.0.self_attn.o_proj.weight": (HT, 24),
+              "layers.0.self_attn.q_norm.weight": (6,), "layers.0.self_attn.k_norm.weight": (6,),
+              "layers.0.mlp.gate_proj.weight": (48, HT), "layers.0.mlp.up_proj.weight": (48, HT),
+              "layers.0.mlp.down_proj.weight": (HT, 48)}
+    save_file({k: torch.randn(s, generator=g) for k, s in shapes.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(conf))
+
+
+def test_a_specforge_dflash_export_checks_loads_and_drafts(tmp_path, vocab):
+    dflash_export(tmp_path / "dflash")
+    assert check_artifact(tmp_path / "dflash", "any@1").startswith("DFlashDraftModel export, model.safetensors size ok")
+    d = load_drafter(tmp_path / "dflash", *vocab)
+    assert d.gamma == 3 and d.needs_history and d.target_layer_ids == [0, 1]
+    state = d.new_state()
+    tokens, probs, state = d.draft(state, torch.randn(5, 2 * HT), 7, 5, 0.0)
+    assert tokens.shape == (3,) and probs is None and state.length == 5 and d.cache_bytes(state) > 0
+    tokens, probs, state = d.draft(state, torch.randn(2, 2 * HT), 9, 7, 1.0, torch.Generator().manual_seed(0))
+    assert probs.shape == (3, V) and torch.allclose(probs.sum(-1), torch.ones(3)) and state.length == 7
+    with pytest.raises(ValueError, match="history cache holds 7 positions"):  # a gap in the positions
+        d.draft(state, torch.randn(1, 2 * HT), 9, 20, 0.0)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"mask_token_id": None}, "mask_token_id is missing"),
+    ({"target_layer_ids": [0, 2]}, "last layer"),
+    ({"layer_types": ("sliding_attention",)}, "only full_attention"),
+])
+def test_a_dflash_export_this_replay_cannot_run_is_refused(tmp_path, change, match):
+    dflash_export(tmp_path / "d", **change)
+    refused(tmp_path / "d", match)
+
+
+def test_an_unknown_layout_lists_the_known_ones(tmp_path, vocab):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    for call in (lambda: check_artifact(tmp_path / "llama"), lambda: load_drafter(tmp_path / "llama", *vocab)):
+        with pytest.raises(ArtifactError, match="LlamaForCausalLM.*known layouts") as e:
+            call()
+        assert "\n" not in str(e.value)
+        assert all(k in str(e.value) for k in ("dlite-drafter", "DLiteDraftModel", "DFlashDraftModel"))
+    dflash_export(tmp_path / "stray")
+    from safetensors.torch import load_file, save_file
+    t = load_file(str(tmp_path / "stray" / "model.safetensors"))
+    save_file({**t, "lm_head.weight": torch.zeros(V, HT)}, str(tmp_path / "stray" / "model.safetensors"))
+    with pytest.raises(ArtifactError, match="'lm_head.weight' has no place in DFlashDraftModel"):
+        load_drafter(tmp_path / "stray", *vocab)

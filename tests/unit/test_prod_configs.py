@@ -1,7 +1,7 @@
 """The production experiments (Qwen3-4B / 8B on SWE trajectories, H800 x 8 x 2): they
-compose and validate without weights or network, carry the DeepSpec-like recipe and
-the published drafter sizes, read their locations from the environment, and the main
-job's `--dry-run` accepts them."""
+compose and validate without weights or network, carry the published DLite design at
+the released drafters' shapes and the published training recipe, read their locations
+from the environment, and the main job's `--dry-run` accepts them."""
 
 import json
 import os
@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from dlite.config import ConfigError, load_config
 from dlite.models import build_drafter, param_count
+from dlite.models.dlite_v1 import published_layer_ids
 
 PROD = {"qwen3_4b": "configs/experiments/qwen3_4b_swe.yaml",
         "qwen3_8b": "configs/experiments/qwen3_8b_swe.yaml"}
@@ -38,10 +39,15 @@ def clean_env(monkeypatch):
 def test_recipe(name, clean_env):
     cfg = load_config(PROD[name])
     d, t = cfg.drafter, cfg.target
-    assert d.arch == "dlite" and d.gamma == 7
-    assert list(d.target_layer_ids) == [1, 9, 17, 25, 33] and t.num_layers == 36
+    assert d.arch == "dlite_v1" and d.gamma == 7  # block 8, as the released drafters
+    assert list(d.target_layer_ids) == published_layer_ids(36, 7) and t.num_layers == 36
     assert t.hidden_size == SHAPES[name][0] == d.hidden_size  # 5 layers at the target's width
-    assert (d.num_layers, d.markov_rank) == (5, 256)
+    assert (d.num_layers, d.anchor_group_size, d.sequential_rank, d.markov_rank) == (5, 2, 256, 256)
+    assert d.draft_vocab_size is None and d.history_window == 512  # their 512-token teacher window
+    r = cfg.train
+    assert (r.recipe, r.kl_weight, r.ce_weight, r.tv_weight, r.loss_decay, r.ce_labels) == \
+        ("published", 1.0, 1.0, 1.0, None, "target_argmax")
+    assert r.distill_frac > 0 and r.blend_frac > 0 and not r.skip_teacher
     assert (cfg.train.zero_stage, cfg.train.precision) == (2, "bf16")
     assert cfg.train.lr == pytest.approx(6e-4) and cfg.train.warmup_frac == pytest.approx(0.04)
     assert (cfg.data.max_seq_len, cfg.data.anchors_per_seq) == (4096, 512)
@@ -96,7 +102,8 @@ def test_drafter_size_near_published(name, clean_env):
     with torch.device("meta"):  # shapes only: no memory, no weights
         vocab_w = torch.empty(QWEN3_VOCAB, cfg.target.hidden_size)
         ids = torch.arange(dcfg.draft_vocab_size, device="cpu") if dcfg.draft_vocab_size else None
-        n = param_count(build_drafter(dcfg, vocab_w, vocab_w, QWEN3_VOCAB - 1, draft_vocab=ids))
+        norm = {"final_norm_weight": torch.empty(cfg.target.hidden_size)} if dcfg.arch == "dlite_v1" else {}
+        n = param_count(build_drafter(dcfg, vocab_w, vocab_w, QWEN3_VOCAB - 1, draft_vocab=ids, **norm))
     published = SHAPES[name][1]
     assert abs(n - published) / published < 0.15, f"{name}: {n / 1e9:.3f}B parameters"
 

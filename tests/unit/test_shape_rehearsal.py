@@ -38,3 +38,19 @@ def test_rehearsal_at_a_toy_shape():
               "export_reload"}
     assert set(out["seconds"]) == set(out["rss_peak_bytes"]) == phases
     assert all(v > 0 for v in out["rss_peak_bytes"].values())
+
+
+def test_rehearsal_of_the_published_design_at_a_toy_shape():
+    """The released drafters' design (configs/drafter/dlite_v1_qwen3_4b.yaml), shrunk:
+    its 7 context slots keep a target of at least 7 layers, the published selection
+    over those, the target's final norm, the full vocabulary."""
+    cfg = dataclasses.replace(load_drafter_yaml(CONFIG_DIR / "dlite_v1_qwen3_4b.yaml"), hidden_size=64,
+                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                              intermediate_size=96, sequential_rank=16)
+    shape = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    out = run(seq_len=96, anchors=8, layers=2, threads=1, drafter_cfg=cfg, target_shape=shape)
+    assert out["layer_map"]["used"] == list(range(7)) and out["layer_map"]["of_layers_here"] == 7
+    assert out["train"]["finite"] and out["train"]["stepped"]
+    assert out["draft"]["drafted"] == cfg.gamma and out["draft"]["valid_ids"]
+    assert out["export"]["bitwise_equal"] and out["shapes"]["drafter"]["arch"] == "dlite_v1"

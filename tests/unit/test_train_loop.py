@@ -16,7 +16,7 @@ from dlite.corpus import trajectories as corpus
 from dlite.train.data import collate, epoch_batches, inprocess_rows
 from dlite.train.loop import LoopConfig, train_loop
 from dlite.train.optim import PlainEngine, lr_at
-from dlite.train.step import compute_loss
+from dlite.train.step import LossSpec, compute_loss
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_teacher_reference_distils(setup):
     assert all(p.grad is None for p in teacher.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
     with torch.no_grad():
-        own, m_own = compute_loss(student, batch, teacher=student, ce_weight=0.0)
+        own, m_own = compute_loss(student, batch, teacher=student, spec=LossSpec(ce_weight=0.0))
     assert own.item() < 1e-5 and m_own["tau_est"] == pytest.approx(student.gamma + 1, abs=1e-4)
 
 

@@ -1,0 +1,161 @@
+"""A scripted session (`dlite.corpus.agent.Session`) written in the layout a real agent
+scaffold saves, so that collection reads it through the same readers as real runs
+(`dlite.data.formats`):
+
+  mini-swe-agent  {"trajectory_format", "info", "messages"}: the thought and one
+                  ```bash block per assistant turn, outputs as user turns
+                  `<returncode>..</returncode><output>..</output>` (cut past 10,000
+                  chars with head / elided / tail), closed by the `exit` record
+  swe-agent       a `.traj`: `history` (assistant turns with `tool_calls`, tool results
+                  `OBSERVATION:` text parts naming their call in `tool_call_ids`),
+                  `trajectory` steps (thought / action / observation), `info`
+  openhands       {"instance_id", "messages", "tools", "git_patch"} as OpenHands'
+                  function-calling runs are shared (SWE-Gym): `execute_bash`,
+                  `str_replace_editor`, `finish`; bash results end with the exit code
+
+The prompts are this project's own words in each scaffold's shape; only the shapes are
+the scaffolds'.
+"""
+
+import json
+
+from dlite.corpus.agent import Session, Step
+from dlite.corpus.workspace import ROOT, clip
+
+LAYOUTS = ("mini-swe-agent", "swe-agent", "openhands")
+STYLE = {"mini-swe-agent": "bash", "swe-agent": "editor", "openhands": "editor"}
+MINI_CAP = 10_000
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git add -A && git diff --cached"
+
+MINI_SYSTEM = (
+    "You are a helpful assistant that can interact with a computer shell to solve programming tasks.\n\n"
+    "Every response must contain exactly ONE bash code block with ONE command (or commands joined "
+    "with && or ||). Start with a THOUGHT section explaining your reasoning, then the command:\n\n"
+    "<format_example>\nTHOUGHT: why this command is the next step.\n\n```bash\nyour_command_here\n```\n"
+    "</format_example>\n\nResponses in any other format are rejected.")
+MINI_TASK = (
+    "<pr_description>\nPlease solve this issue:\n{task}\n</pr_description>\n\n<instructions>\n"
+    "You are working in the repository at {root}. Make the change to the non-test source files so "
+    "that the issue is resolved, in a way that is general and consistent with the codebase.\n\n"
+    "Suggested workflow:\n1. Find and read the relevant code\n2. Write a test or script that "
+    "reproduces the issue\n3. Edit the source code\n4. Check that the test passes now\n"
+    "5. Think about edge cases\n\nEach command runs in a new subshell: directory changes do not "
+    "persist. When you are done, submit with exactly:\n\n```bash\n{submit}\n```\n\n"
+    "You cannot continue working after submitting.\n</instructions>")
+EDITOR_SYSTEM = (
+    "You are an autonomous programmer working in a repository. You solve the task by calling the "
+    "tools you have, one call per response, after a short explanation of what you are doing. The "
+    "shell does not keep state between calls. `str_replace_editor` views, creates and edits files: "
+    "`str_replace` needs `old_str` copied exactly (whitespace included) and occurring once.")
+EDITOR_TASK = (
+    "<uploaded_files>\n{root}\n</uploaded_files>\nI've uploaded a python code repository in the "
+    "directory {root}. Consider the following issue description:\n\n<issue_description>\n{task}\n"
+    "</issue_description>\n\nCan you help me implement the necessary changes to the repository so "
+    "that the requirements in the issue are met? Follow these steps:\n1. Explore the repository to "
+    "find the code involved\n2. Write a test reproducing the issue and run it\n3. Edit the source\n"
+    "4. Run the test again to confirm the fix\n5. Review your diff, then {finish}.")
+
+
+def _schema(name, description, props, required):
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": props, "required": required}}}
+
+
+_S = {"type": "string"}
+OPENHANDS_TOOLS = [
+    _schema("execute_bash", "Run a bash command in the terminal; output is returned with its exit code.",
+            {"command": {**_S, "description": "The bash command to run."}}, ["command"]),
+    _schema("str_replace_editor", "View, create and edit files. `view` shows `cat -n` output; "
+            "`str_replace` replaces one exact, unique occurrence of old_str.",
+            {"command": {"type": "string", "enum": ["view", "create", "str_replace", "insert"]},
+             "path": {**_S, "description": "Absolute path to a file or directory."}, "file_text": _S,
+             "old_str": _S, "new_str": _S, "view_range": {"type": "array", "items": {"type": "integer"}}},
+            ["command", "path"]),
+    _schema("finish", "Signal that the task is complete.", {"message": _S}, ["message"])]
+
+
+def _mini_output(step: Step) -> str:
+    head, tail, cut = clip(step.output, MINI_CAP)
+    if not cut:
+        return f"<returncode>{step.rc}</returncode>\n<output>\n{step.output}</output>"
+    return (f"<returncode>{step.rc}</returncode>\n<warning>\nThe output of your last command was too "
+            "long.\nTry a command that prints less, e.g. a line range or head/tail.\n</warning>\n"
+            f"<output_head>\n{head}</output_head>\n<elided_chars>\n{cut} characters elided\n"
+            f"</elided_chars>\n<output_tail>\n{tail}</output_tail>")
+
+
+def mini_swe_agent(s: Session) -> dict:
+    msgs = [{"role": "system", "content": MINI_SYSTEM},
+            {"role": "user", "content": MINI_TASK.format(task=s.task, root=ROOT, submit=SUBMIT)}]
+    for st in s.steps:
+        cmd = SUBMIT if st.tool == "submit" else st.args["command"]
+        msgs.append({"role": "assistant", "content": f"THOUGHT: {st.thought}\n\n```bash\n{cmd}\n```"})
+        if st.tool != "submit":
+            msgs.append({"role": "user", "content": _mini_output(st)})
+    diff = s.steps[-1].output
+    msgs.append({"role": "exit", "content": diff, "extra": {"exit_status": "Submitted", "submission": diff}})
+    return {"trajectory_format": "mini-swe-agent-1.1", "instance_id": s.id, "messages": msgs,
+            "info": {"mini_version": "1.17.3", "exit_status": "Submitted", "submission": diff}}
+
+
+def _action(st: Step) -> str:
+    """SWE-agent's text form of a call: `str_replace_editor view /p --view_range 1 9`."""
+    if st.tool == "bash":
+        return st.args["command"]
+    if st.tool == "submit":
+        return "submit"
+    a = st.args
+    flags = "".join(f" --{k} {json.dumps(v) if isinstance(v, str) else ' '.join(map(str, v))}"
+                    for k, v in a.items() if k not in ("command", "path"))
+    return f"str_replace_editor {a['command']} {a['path']}{flags}"
+
+
+def _observation(st: Step) -> str:
+    if st.tool == "bash" and not st.output.strip():
+        return "Your command ran successfully and did not produce any output."
+    return st.output
+
+
+def swe_agent(s: Session) -> dict:
+    task = EDITOR_TASK.format(root=ROOT, task=s.task, finish="call `submit`")
+    hist = [{"role": "system", "content": EDITOR_SYSTEM, "agent": "main", "message_type": "system_prompt"},
+            {"role": "user", "content": [{"type": "text", "text": task}], "agent": "main",
+             "message_type": "observation"}]
+    traj = []
+    for i, st in enumerate(s.steps, 1):
+        call = {"id": f"call_{i:02d}", "type": "function", "function": {
+            "name": st.tool, "arguments": json.dumps(st.args)}}
+        hist.append({"role": "assistant", "content": st.thought, "thought": st.thought,
+                     "action": _action(st), "agent": "main", "tool_calls": [call], "message_type": "action"})
+        hist.append({"role": "tool", "content": [{"type": "text", "text": f"OBSERVATION:\n{_observation(st)}"}],
+                     "agent": "main", "message_type": "observation", "tool_call_ids": [call["id"]]})
+        traj.append({"thought": st.thought, "action": _action(st), "observation": _observation(st),
+                     "response": st.thought, "state": json.dumps({"working_dir": ROOT})})
+    return {"environment": "swe_main", "instance_id": s.id, "history": hist, "trajectory": traj,
+            "info": {"exit_status": "submitted", "submission": s.steps[-1].output}}
+
+
+def openhands(s: Session) -> dict:
+    root = f"/workspace/{s.package}"
+    task = EDITOR_TASK.format(root=root, task=s.task, finish="call `finish`")
+    msgs = [{"role": "system", "content": EDITOR_SYSTEM}, {"role": "user", "content": task}]
+    for i, st in enumerate(s.steps, 1):
+        cid = f"toolu_{i:02d}"
+        if st.tool == "submit":
+            args, name = {"message": s.summary}, "finish"
+        else:
+            args, name = st.args, "execute_bash" if st.tool == "bash" else st.tool
+        msgs.append({"role": "assistant", "content": st.thought, "tool_calls": [{
+            "id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]})
+        if st.tool != "submit":
+            out = st.output + (f"\n[The command completed with exit code {st.rc}.]" if st.tool == "bash" else "")
+            msgs.append({"role": "tool", "name": name, "tool_call_id": cid,
+                         "content": [{"type": "text", "text": out}]})
+    tests = [st.output for st in s.steps if st.args.get("command", "").startswith("python -m pytest")]
+    rec = {"instance_id": s.id, "messages": msgs, "tools": OPENHANDS_TOOLS, "git_patch": s.steps[-1].output,
+           "resolved": bool(tests) and " passed in " in tests[-1] and " failed" not in tests[-1]}
+    # OpenHands mounts the repository under /workspace, not /testbed.
+    return json.loads(json.dumps(rec).replace(ROOT, root))
+
+
+WRITERS = {"mini-swe-agent": mini_swe_agent, "swe-agent": swe_agent, "openhands": openhands}

@@ -1,0 +1,160 @@
+"""What a proposal is worth before the target sees it: each proposer's per-slot
+confidence turned into P(slot k accepted | slots before it accepted), the expected
+accepted length of a proposal, and its value per unit of verification cost.
+
+Confidence features (one number per slot, what `dlite.decoding.hybrid` records):
+- `model` (a learned drafter): its own probability of the token it chose (at T > 0 the
+  largest probability of its first slot for every slot, a number fixed before any
+  draw, so choosing by it keeps the rejection rule exact);
+- `suffix` (SuffixDecoding): the tree's estimated probability of the token given the
+  path to it (arctic-inference's path probability over its parent's);
+- `lookup` (prompt lookup): the length of the n-gram match it continues.
+
+`Calibration`: per source a binned map feature -> acceptance, fitted on the per-branch
+records of tree rounds on validation turns (`fit`: each branch is verified in full, so
+every slot up to its first miss is an observation, counterfactual to what was chosen),
+Laplace-smoothed and made non-decreasing in the feature (pool-adjacent-violators).
+Without a fit, `defaults`: the probability itself, and n / (n + 1) for a match of n.
+
+`CostCurve`: verifying m tokens (anchor included) costs cost(m) decode steps, linear
+between measured points. The default is this project's CPU measurement (SmolLM2-135M
+at 4K context, `jobs.benchmark target_probe` step costs: 1 / 2 / 4 / 8 tokens cost
+1.0 / 1.4 / 1.6 / 2.2 decode steps); `eval.verify_cost_tokens` / `eval.verify_cost`
+set another machine's."""
+
+import dataclasses
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+PROB_EDGES = tuple(round(0.1 * i, 1) for i in range(1, 10))  # 10 bins over [0, 1]
+MATCH_EDGES = (2, 3, 4, 5, 6, 8)  # match length 1, 2, ..., 6-7, 8+
+
+
+def edges_for(source: str) -> Tuple[float, ...]:
+    return MATCH_EDGES if source == "lookup" else PROB_EDGES
+
+
+@dataclasses.dataclass
+class BinnedMap:
+    """feature -> probability, constant on the bins `edges` cut (x >= edge: above it)."""
+    edges: Tuple[float, ...]
+    p: List[float]
+    n: List[int]
+
+    def __call__(self, x: float) -> float:
+        return self.p[sum(x >= e for e in self.edges)]
+
+    def to_dict(self) -> dict:
+        return {"edges": list(self.edges), "p": [round(v, 6) for v in self.p], "n": list(self.n)}
+
+
+def _midpoints(edges: Sequence[float], source: str) -> List[float]:
+    if source == "lookup":  # a match of n: n / (n + 1), at each bin's lower end
+        return [n / (n + 1) for n in (1, *edges)]
+    bounds = (0.0, *edges, 1.0)
+    return [(lo + hi) / 2 for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _isotonic(values: List[float], weights: List[float]) -> List[float]:
+    """Pool adjacent violators: the closest non-decreasing sequence (weighted)."""
+    blocks = [[v, w, 1] for v, w in zip(values, weights)]
+    out: List[list] = []
+    for b in blocks:
+        out.append(b)
+        while len(out) > 1 and out[-2][0] > out[-1][0]:
+            v2, w2, c2 = out.pop()
+            v1, w1, c1 = out.pop()
+            w = w1 + w2
+            out.append([(v1 * w1 + v2 * w2) / w if w else (v1 + v2) / 2, w, c1 + c2])
+    return [v for v, _, c in out for _ in range(c)]
+
+
+def fit_map(source: str, pairs: Iterable[Tuple[float, bool]], prior_weight: float = 2.0) -> BinnedMap:
+    """Binned acceptance from (feature, accepted) pairs, smoothed toward the default."""
+    edges = edges_for(source)
+    prior = _midpoints(edges, source)
+    hits, n = [0] * len(prior), [0] * len(prior)
+    for x, y in pairs:
+        i = sum(x >= e for e in edges)
+        n[i] += 1
+        hits[i] += bool(y)
+    p = [(h + prior_weight * q) / (c + prior_weight) for h, c, q in zip(hits, n, prior)]
+    return BinnedMap(edges, _isotonic(p, [c + prior_weight for c in n]), n)
+
+
+class Calibration:
+    """{source: BinnedMap}; a source without a fit gets its default map."""
+
+    def __init__(self, maps: Dict[str, BinnedMap] = None, fitted_on: dict = None):
+        self.maps, self.fitted_on = dict(maps or {}), fitted_on or {}
+
+    def prob(self, source: str, x: float) -> float:
+        if source not in self.maps:
+            edges = edges_for(source)
+            self.maps[source] = BinnedMap(edges, _midpoints(edges, source), [0] * (len(edges) + 1))
+        return self.maps[source](x)
+
+    def slot_probs(self, source: str, feats: Sequence[float]) -> List[float]:
+        return [self.prob(source, x) for x in feats]
+
+    def to_dict(self) -> dict:
+        return {"maps": {s: m.to_dict() for s, m in self.maps.items()}, "fitted_on": self.fitted_on}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        if not d:
+            return cls()
+        maps = {s: BinnedMap(tuple(m["edges"]), list(m["p"]), list(m["n"])) for s, m in d["maps"].items()}
+        return cls(maps, d.get("fitted_on"))
+
+
+def observations(branch_records: Iterable[dict]) -> Dict[str, List[Tuple[float, bool]]]:
+    """(feature, accepted) per slot a branch reached: slots 0..matched (the first miss
+    included), each accepted iff before the miss."""
+    out: Dict[str, List[Tuple[float, bool]]] = {}
+    for b in branch_records:
+        n, m = len(b["feats"]), b["matched"]
+        out.setdefault(b["source"], []).extend((b["feats"][k], k < m) for k in range(min(m + 1, n)))
+    return out
+
+
+def fit(branch_records: Iterable[dict], fitted_on: dict = None) -> Calibration:
+    """A Calibration from the `branches` entries of tree rounds' records."""
+    obs = observations(branch_records)
+    maps = {s: fit_map(s, pairs) for s, pairs in obs.items()}
+    return Calibration(maps, {**(fitted_on or {}), "slots": {s: len(v) for s, v in obs.items()}})
+
+
+def expected_accepted(slot_probs: Sequence[float]) -> List[float]:
+    """E[accepted] of each prefix length 0..n: sum over k of prod_{j<=k} P(slot j)."""
+    out, run, total = [0.0], 1.0, 0.0
+    for p in slot_probs:
+        run *= p
+        total += run
+        out.append(total)
+    return out
+
+
+@dataclasses.dataclass
+class CostCurve:
+    """cost(m): decode steps one verification of m tokens (anchor included) costs."""
+    tokens: Tuple[int, ...] = (1, 2, 4, 8)
+    costs: Tuple[float, ...] = (1.0, 1.4, 1.6, 2.2)
+
+    def __call__(self, m: int) -> float:
+        t, c = self.tokens, self.costs
+        if m <= t[0]:
+            return c[0]
+        for (t0, c0), (t1, c1) in zip(zip(t, c), zip(t[1:], c[1:])):
+            if m <= t1:
+                return c0 + (c1 - c0) * (m - t0) / (t1 - t0)
+        slope = (c[-1] - c[-2]) / (t[-1] - t[-2]) if len(t) > 1 else 0.0
+        return c[-1] + slope * (m - t[-1])  # beyond the last point: its last slope
+
+    def value(self, expected: float, n: int) -> float:
+        """Tokens per decode-step of cost: (accepted + the bonus) / cost(n + 1)."""
+        return (1.0 + expected) / self(n + 1)
+
+    def best_prefix(self, slot_probs: Sequence[float]) -> Tuple[int, float]:
+        """(prefix length, its value) with the most tokens per unit of cost."""
+        exp = expected_accepted(slot_probs)
+        return max(((n, self.value(e, n)) for n, e in enumerate(exp)), key=lambda kv: kv[1])

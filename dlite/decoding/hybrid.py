@@ -1,0 +1,167 @@
+"""Hybrids that are never worse than their best part: a history-free learned drafter
+paired with a token-reading one (prompt lookup or SuffixDecoding), per round either
+
+- `ChooseHybrid`: the proposal (and the prefix of it) with the most expected tokens per
+  unit of verification cost, `(1 + E[accepted]) / cost(n + 1)`, from each proposer's
+  calibrated per-slot confidence (`dlite.decoding.calibration`); the learned drafter is
+  not even run when the token proposal alone beats anything it could propose;
+- `TreeHybrid`: both (SuffixDecoding: every branch of its own tree) verified in one
+  forward as a token tree (`dlite.decoding.tree`), the nodes kept within
+  `budget` tokens chosen the same way: the most valuable first (a node's value is its
+  expected chance of being accepted), as many as maximise tokens per unit of cost.
+
+Exactness at T > 0: what is verified may depend on deterministic proposals and on
+numbers fixed before the learned drafter draws anything (its first slot's largest
+probability), never on its draws (a block kept because its draws look likely no longer
+follows q). Greedy decoding reads everything. Both are lossless either way; the round
+records say which source the accepted tokens came from and, for trees, how far each
+branch matched (the calibration's observations)."""
+
+from typing import List, Optional
+
+import torch
+
+from dlite.decoding.calibration import Calibration, CostCurve
+from dlite.decoding.lookup import token_block
+from dlite.decoding.tree import Branch, branch_matches
+from dlite.models.common import recording_confidences
+
+
+class _Pair:
+    """The two proposers of one prompt and how their proposals are scored."""
+
+    def __init__(self, model, lookup, calibration: Optional[Calibration] = None, cost: Optional[CostCurve] = None):
+        if model.needs_history:
+            raise ValueError("the hybrid needs a history-free drafter: one with a history "
+                             "cache would miss the positions of the rounds lookup drafts")
+        self.model, self.lookup = model, lookup
+        self.calibration, self.cost = calibration or Calibration(), cost or CostCurve()
+        self.source = getattr(lookup, "source", "lookup")
+        self.gamma = max(model.gamma, lookup.gamma)
+        self.target_layer_ids, self.needs_history = model.target_layer_ids, False
+
+    def new_state(self):
+        return dict(seq=self.lookup.new_state(), model=self.model.new_state(), source=[])
+
+    def token_branches(self, state, anchor_id: int, anchor_pos: int, tree_nodes: int = 0) -> List[Branch]:
+        """The token drafter's proposal(s), each with its per-slot confidence features;
+        `tree_nodes` > 0: SuffixDecoding's speculation tree of up to that many nodes."""
+        if self.source == "suffix":
+            return [Branch(t, None, "suffix", f) for t, f in self.lookup.propose_branches(
+                state["seq"], anchor_id, anchor_pos, tree_nodes > 0, tree_nodes or None)]
+        tokens, n = self.lookup.propose(state["seq"], anchor_id, anchor_pos)
+        return [Branch(tokens, None, "lookup", [float(n)] * len(tokens))] if tokens else []
+
+    def model_branch(self, state, feats, anchor_id: int, anchor_pos: int, temperature: float,
+                     generator) -> Branch:
+        """The learned drafter's block; its features: each chosen token's probability at
+        T = 0, the first slot's largest probability (fixed before any draw) at T > 0,
+        for all gamma slots so that no choice depends on where it stopped early."""
+        with recording_confidences() as conf:
+            tokens, q, state["model"] = self.model.draft(state["model"], feats, anchor_id, anchor_pos,
+                                                         temperature, generator)
+        if temperature > 0:
+            feats = [conf[0]["top"] if conf else 0.0] * self.model.gamma
+        else:
+            feats = [c["chosen"] for c in conf]
+        return Branch(tokens.tolist(), q, "model", feats)
+
+    def slot_probs(self, br: Branch) -> List[float]:
+        return self.calibration.slot_probs(br.source, br.feats)
+
+    def ceiling(self) -> float:
+        """The best value any learned block could have (every slot at the map's top)."""
+        top = self.calibration.prob("model", 1.0)
+        return self.cost.best_prefix([top] * self.model.gamma)[1]
+
+    def finish(self, state, new_tokens: List[int]) -> None:
+        if hasattr(self.lookup, "finish"):  # SuffixDecoding indexes the whole response
+            self.lookup.finish(state["seq"], new_tokens)
+
+    def cache_bytes(self, state) -> int:
+        return self.model.cache_bytes(state["model"]) + self.lookup.cache_bytes(state["seq"])
+
+
+class ChooseHybrid(_Pair):
+    """Per round one proposal, the one worth more per unit of verification cost."""
+
+    def draft(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
+              generator: Optional[torch.Generator] = None):
+        found = self.token_branches(state, anchor_id, anchor_pos)
+        options = []
+        if found:
+            n, v = self.cost.best_prefix(self.slot_probs(found[0]))
+            options.append((v, found[0], n))
+        # Skip the learned drafter (its draft time too) when it cannot win this round.
+        if not options or options[0][0] < self.ceiling():
+            br = self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator)
+            n, v = self.cost.best_prefix(self.slot_probs(br))
+            options.append((v, br, min(n, len(br.tokens))))
+        v, br, n = max(options, key=lambda o: o[0])  # ties: the token proposal (listed first)
+        br = br.cut(n)
+        state["source"].append(br.source if n else "none")
+        state["seq"].drafted(br.tokens)
+        if br.source == "model" and br.q is not None:
+            return torch.tensor(br.tokens, dtype=torch.long), br.q, state
+        return (*token_block(br.tokens, self.lookup.vocab_size, temperature), state)
+
+    def round_info(self, state) -> dict:
+        return {"source": state["source"][-1]}
+
+
+class TreeHybrid(_Pair):
+    """Per round every proposal, as one token tree of at most `budget` draft tokens."""
+
+    def __init__(self, model, lookup, calibration=None, cost=None, budget: int = 16):
+        super().__init__(model, lookup, calibration, cost)
+        if budget < 1:
+            raise ValueError(f"tree budget must be >= 1, got {budget}")
+        self.budget = budget
+
+    def draft_tree(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
+                   generator: Optional[torch.Generator] = None) -> tuple:
+        branches = self.token_branches(state, anchor_id, anchor_pos, tree_nodes=self.budget)
+        branches.append(self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator))
+        keep = self._allocate(branches, sampled=temperature > 0)
+        return [b.cut(k) for b, k in zip(branches, keep) if k], state
+
+    def _allocate(self, branches: List[Branch], sampled: bool) -> List[int]:
+        """Tokens kept per branch: nodes by value (the product of calibrated slot
+        probabilities to them), as many as maximise (1 + sum of values) / cost(N + 1).
+        Nodes are keyed by their path, so shared prefixes count once -- except the
+        learned drafter's when sampling, whose tokens must not decide what is kept."""
+        nodes = {}
+        for b, br in enumerate(branches):
+            run = 1.0
+            for k, p in enumerate(self.slot_probs(br)[: len(br.tokens)]):
+                run *= p
+                key = ("model", k) if sampled and br.source == "model" else tuple(br.tokens[: k + 1])
+                nodes[key] = max(nodes.get(key, 0.0), run)
+        order = sorted(nodes.items(), key=lambda kv: (-kv[1], len(kv[0]) if kv[0][0] != "model" else kv[0][1]))
+        best_n, best_v, total = 0, self.cost.value(0.0, 0), 0.0
+        for n, (_, v) in enumerate(order[: self.budget], start=1):
+            total += v
+            if self.cost.value(total, n) > best_v:
+                best_n, best_v = n, self.cost.value(total, n)
+        chosen = {key for key, _ in order[:best_n]}
+        keep = []
+        for br in branches:
+            k = 0
+            while k < len(br.tokens) and (("model", k) if sampled and br.source == "model"
+                                          else tuple(br.tokens[: k + 1])) in chosen:
+                k += 1
+            keep.append(k)
+        return keep
+
+    def tree_verified(self, state, branches: List[Branch], emit: List[int]) -> tuple:
+        """After verification: the sequence learns the accepted tokens; the record gets
+        the source of the accepted path and each branch's match."""
+        state["seq"].drafted(emit[:-1])
+        matched = branch_matches(branches, emit)
+        best = max(matched, default=0)
+        srcs = {b.source for b, m in zip(branches, matched) if m == best}
+        source = "none" if best == 0 else (srcs.pop() if len(srcs) == 1 else "shared")
+        state["source"].append(source)
+        info = [{"source": b.source, "n": len(b.tokens), "matched": m, "feats": [round(x, 4) for x in b.feats]}
+                for b, m in zip(branches, matched)]
+        return state, {"source": source, "branches": info}

@@ -1,0 +1,184 @@
+"""The choose and tree hybrids (`dlite.decoding.hybrid`) over a real tiny target: lossless
+under greedy with prompt lookup and with SuffixDecoding (its own multi-branch trees
+too), exact at T = 1 (chi-square), the choice following the calibrated value per unit
+of verification cost, the tree within its budget; the calibration's fit and cost curve;
+and the early-stop rule keeping a draw's distribution (no selection on the draw)."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from dlite.config_schema import EvalConfig
+from dlite.decoding.calibration import BinnedMap, Calibration, CostCurve, expected_accepted, fit, observations
+from dlite.decoding.decode import plain_generate, speculative_generate
+from dlite.decoding.hybrid import ChooseHybrid, TreeHybrid
+from dlite.decoding.lookup import PromptLookupDrafter
+from dlite.decoding.methods import method_builders
+from dlite.decoding.suffix import SuffixDecoding, tree_paths
+from dlite.models.common import sample_block
+from tests.unit.test_lookup import REPEAT, V
+from tests.unit.test_spec_decode import TRAJ, _pvalues, dlite_drafter, tiny_target, tokenizer  # noqa: F401  (fixture)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab=V)
+
+
+@pytest.fixture(scope="module")
+def model(target):
+    return dlite_drafter(target, list(range(V)), gamma=4)
+
+
+def _lookup(prompt, vocab=V, gamma=4):
+    return PromptLookupDrafter(prompt, vocab, gamma=gamma, max_ngram=3)
+
+
+def test_cost_curve_and_expected_length():
+    c = CostCurve()
+    assert c(1) == 1.0 and c(3) == pytest.approx(1.5) and c(8) == 2.2 and c(12) == pytest.approx(2.8)
+    assert expected_accepted([0.5, 0.5]) == [0.0, 0.5, 0.75]
+    assert c.best_prefix([0.05, 0.05])[0] == 0  # nothing worth a bigger verification
+    assert c.best_prefix([0.95] * 7)[0] == 7
+
+
+def test_calibration_fit_is_monotone_and_round_trips():
+    recs = [{"source": "model", "feats": [0.95, 0.9, 0.2], "matched": 2},
+            {"source": "model", "feats": [0.15, 0.95], "matched": 0},
+            {"source": "lookup", "feats": [3.0] * 4, "matched": 4}]
+    obs = observations(recs)
+    # the first record: slots 0, 1 accepted, slot 2 its miss; the second: slot 0 missed.
+    assert obs["model"] == [(0.95, True), (0.9, True), (0.2, False), (0.15, False)]
+    assert len(obs["lookup"]) == 4
+    cal = fit(recs * 20)
+    p = cal.maps["model"].p
+    assert all(a <= b for a, b in zip(p, p[1:])) and cal.prob("model", 0.95) > 0.9 > cal.prob("model", 0.15)
+    again = Calibration.from_dict(cal.to_dict())
+    assert again.prob("lookup", 3) == pytest.approx(cal.prob("lookup", 3), abs=1e-4)
+    assert Calibration().prob("lookup", 1) == 0.5  # default: n / (n + 1)
+
+
+@pytest.mark.parametrize("kind", ["choose", "tree"])
+def test_hybrids_are_lossless_with_prompt_lookup(target, model, kind):
+    ref, _ = plain_generate(target, REPEAT, 30)
+    make = ChooseHybrid if kind == "choose" else TreeHybrid
+    out, rounds = speculative_generate(target, make(model, _lookup(REPEAT)), REPEAT, 30)
+    assert out == ref
+    assert {r["source"] for r in rounds} <= {"lookup", "model", "none", "shared"}
+    if kind == "tree":
+        assert all(r["verified"] <= 16 and r["branches"] is not None for r in rounds)
+        # A random drafter is never sure of itself: with the default (identity) map its
+        # nodes are not worth their cost; rated high, both branches are verified.
+        assert not any(b["source"] == "model" for r in rounds for b in r["branches"])
+        rated = Calibration({"model": BinnedMap((0.0,), [0.9, 0.9], [0, 0])})
+        out, rounds = speculative_generate(target, TreeHybrid(model, _lookup(REPEAT), rated), REPEAT, 30)
+        assert out == ref and any(len(r["branches"]) == 2 for r in rounds)
+
+
+@pytest.mark.parametrize("kind", ["choose", "tree"])
+def test_hybrids_are_lossless_with_suffix_decoding(target, model, kind):
+    ref, _ = plain_generate(target, REPEAT, 30)
+    make = ChooseHybrid if kind == "choose" else TreeHybrid
+    drafter = make(model, SuffixDecoding(V, gamma=4)(REPEAT))
+    out, rounds = speculative_generate(target, drafter, REPEAT, 30)
+    assert out == ref and any(r["source"] in ("suffix", "shared") for r in rounds)
+
+
+def test_the_choice_follows_the_calibration(model):
+    feats = torch.zeros(1, model.feature_dim)
+    sure = Calibration({"lookup": BinnedMap((2, 3, 4, 5, 6, 8), [0.99] * 7, [0] * 7),
+                        "model": BinnedMap((0.5,), [0.01, 0.02], [0, 0])})
+    hybrid = ChooseHybrid(model, _lookup(REPEAT), sure)
+    tokens, _, state = hybrid.draft(hybrid.new_state(), feats, 3, len(REPEAT), 0.0)
+    assert state["source"] == ["lookup"] and tokens.tolist() == [42, 8, 61, 7]
+    doubt = Calibration({"lookup": BinnedMap((2,), [0.01, 0.01], [0, 0]),
+                         "model": BinnedMap((0.0,), [0.99, 0.99], [0, 0])})
+    hybrid = ChooseHybrid(model, _lookup(REPEAT), doubt)
+    tokens, _, state = hybrid.draft(hybrid.new_state(), feats, 3, len(REPEAT), 0.0)
+    assert state["source"] == ["model"] and tokens.numel() == 4
+
+
+def test_the_tree_keeps_the_most_valuable_nodes_within_its_budget(target, model):
+    ref, _ = plain_generate(target, REPEAT, 20)
+    for budget in (1, 3):
+        out, rounds = speculative_generate(target, TreeHybrid(model, _lookup(REPEAT), budget=budget), REPEAT, 20)
+        assert out == ref and max(r["verified"] for r in rounds) <= budget
+
+
+def test_suffix_trees_become_paths():
+    # 4 -> 5 -> {9, 8}, 4 -> 6 -> 7 (arctic-inference's shape: parents, path probabilities)
+    paths = tree_paths([4, 5, 6, 9, 8, 7], [-1, 0, 0, 1, 1, 2], [0.75, 0.5, 0.25, 0.25, 0.25, 0.25], 7)
+    assert [p for p, _ in paths] == [[4, 5, 9], [4, 5, 8], [4, 6, 7]]
+    assert paths[0][1] == pytest.approx([0.75, 0.5 / 0.75, 0.5])
+    assert [p for p, _ in tree_paths([4, 5, 6, 9, 8, 7], [-1, 0, 0, 1, 1, 2], [0.75] + [0.25] * 5, 2)] == [[4, 5], [4, 6]]
+
+
+@pytest.mark.parametrize("kind", ["choose", "tree"])
+def test_hybrids_sample_exactly(kind):
+    vocab, prompt = 8, [1, 5, 2, 7, 1, 5, 2, 7, 1, 5]
+    tm = tiny_target(vocab=vocab, init=0.1, seed=3)
+    drafter_model = dlite_drafter(tm, list(range(vocab)), gamma=2, layers=(1,), seed=1)
+    make = ChooseHybrid if kind == "choose" else TreeHybrid
+    # Rated so that lookup wins on its longest matches and the drafter otherwise (the
+    # tree then holds both): every kind of candidate is exercised.
+    rated = Calibration({"model": BinnedMap((0.0,), [0.55, 0.55], [0, 0])})
+    hybrid = make(drafter_model, _lookup(prompt, vocab, gamma=2), rated)
+    assert min(_pvalues(tm, hybrid, prompt, vocab)) > 1e-3
+    _, rounds = speculative_generate(tm, make(drafter_model, _lookup(prompt, vocab, gamma=2), rated), prompt, 12,
+                                     temperature=1.0, generator=torch.Generator().manual_seed(0))
+    used = {b["source"] for r in rounds for b in r["branches"]} if kind == "tree" else {r["source"] for r in rounds}
+    assert {"lookup", "model"} <= used
+
+
+def test_early_stop_never_selects_on_the_draw(model):
+    """q = [0.9, 0.1] at every slot, stop_prob 0.5: the first slot is always kept, so
+    its token follows q (a rule reading the draw itself would never keep the 0.1 one)."""
+    logits = torch.full((V,), -1e4)
+    logits[[3, 4]] = torch.log(torch.tensor([0.9, 0.1]))
+    g = torch.Generator().manual_seed(0)
+    firsts = [int(sample_block(lambda k, prev, s: (logits, s), 4, 1, 1.0, "cpu", model.vocab, g, 0.5)[0][0])
+              for _ in range(2000)]
+    assert 0.07 < firsts.count(4) / 2000 < 0.13
+
+
+def test_method_builders_make_the_new_rows(model):
+    ev = OmegaConf.structured(EvalConfig(hybrids=["hybrid_lookup_choose", "hybrid_lookup_tree", "hybrid_lookup"]))
+    builders = method_builders(ev, {"dlite": model}, V, Calibration().to_dict())
+    assert isinstance(builders["hybrid_lookup_choose"]()(REPEAT), ChooseHybrid)
+    tree = builders["hybrid_lookup_tree"]()(REPEAT)
+    assert isinstance(tree, TreeHybrid) and tree.budget == ev.tree_budget
+
+
+def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
+    """On a real replay: the unpruned tree's rounds give observations for both
+    proposers, the fit is saved as a dict, and a report's hybrid rows carry the source
+    of each round and (trees) each branch alone."""
+    from dlite.decoding.calibrate import branch_records, calibration_builders, fit_calibration
+    from dlite.decoding.replay import aggregate, replay_methods
+    tm = tiny_target(vocab=len(tokenizer))
+    drafter = dlite_drafter(tm, list(range(len(tokenizer))), gamma=4)
+    ev = OmegaConf.structured(EvalConfig(max_new_tokens=8, hybrids=["hybrid_lookup_tree", "hybrid_lookup_choose"]))
+    assert list(calibration_builders(ev, drafter, len(tokenizer))) == ["calib_prompt_lookup"]
+    cal = fit_calibration(tm, tokenizer, ev, drafter, len(tokenizer), [TRAJ])
+    assert cal["fitted_on"]["records"] == ["t1"] and cal["fitted_on"]["slots"]["model"] > 0
+    builders = method_builders(ev, {"dlite": drafter}, len(tokenizer), cal)
+    raw, a = replay_methods(tm, tokenizer, builders, [TRAJ], ev, [0.0], timed=False)
+    tree = aggregate(*raw["hybrid_lookup_tree"]["0.0"], a)
+    assert tree["lossless"] is True and tree["verified"] is not None
+    assert set(tree["by_source"]) <= {"lookup", "model", "shared", "none"}
+    # A random drafter is never right: the fit says so, and the tree then leaves it out.
+    m = cal["maps"]["model"]
+    assert max(p for p, n in zip(m["p"], m["n"]) if n) < 0.2 and "model" not in tree["branches"]
+    assert branch_records(raw)  # tree rounds record their branches
+    choose = aggregate(*raw["hybrid_lookup_choose"]["0.0"], a)
+    assert choose["lossless"] is True and sum(f["rounds"] for f in choose["by_source"].values()) == choose["n_rounds"]
+
+
+@pytest.mark.parametrize("override,key", [("eval.verify_cost=[1.0,0.5,1.6,2.2]", "eval.verify_cost"),
+                                          ("eval.verify_cost_tokens=[1,2]", "eval.verify_cost"),
+                                          ("eval.tree_budget=0", "eval.tree_budget"),
+                                          ("eval.hybrids=[hybrid_lookup_forest]", "eval.hybrids")])
+def test_bad_hybrid_settings_fail_naming_the_key(override, key):
+    from dlite.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/experiments/tiny.yaml", [override])
