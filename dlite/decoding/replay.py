@@ -109,8 +109,10 @@ def iter_tasks(tokenizer, record: dict, max_turns: Optional[int] = None, how: st
 
 
 def _drafter_for(drafter, prompt_ids):
-    """A drafter instance, or a factory prompt_ids -> drafter (e.g. TargetAsDrafter)."""
-    return drafter if hasattr(drafter, "draft") else drafter(prompt_ids)
+    """A drafter instance (it drafts blocks, or trees: `TreeHybrid.draft_tree`), or a
+    factory prompt_ids -> drafter (e.g. SuffixDecoding, ContextVocab)."""
+    is_drafter = hasattr(drafter, "draft") or hasattr(drafter, "draft_tree")
+    return drafter if is_drafter else drafter(prompt_ids)
 
 
 def vocab_coverage(drafter, tokens) -> Optional[float]:

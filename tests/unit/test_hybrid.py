@@ -174,6 +174,22 @@ def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     assert choose["lossless"] is True and sum(f["rounds"] for f in choose["by_source"].values()) == choose["n_rounds"]
 
 
+
+def test_timed_replay_runs_every_new_hybrid(tokenizer):
+    """The evaluation's timed replay (warm-up, both loops per method, alternating order)
+    takes the choose and tree hybrids as the untimed one does (a tree hybrid drafts
+    with `draft_tree`, not `draft`: once taken for a factory), losslessly."""
+    from dlite.decoding.replay import aggregate, replay_methods
+    tm = tiny_target(vocab=len(tokenizer))
+    drafter = dlite_drafter(tm, list(range(len(tokenizer))), gamma=4)
+    names = ["hybrid_lookup_tree", "hybrid_lookup_choose"]
+    ev = OmegaConf.structured(EvalConfig(max_new_tokens=8, hybrids=names))
+    raw, a = replay_methods(tm, tokenizer, method_builders(ev, {"dlite": drafter}, len(tokenizer)),
+                            [TRAJ], ev, [0.0], timed=True)
+    for name in names:
+        row = aggregate(*raw[name]["0.0"], a)
+        assert row["n_rounds"] > 0 and row["speedup_vs_ar"] > 0, name
+
 @pytest.mark.parametrize("override,key", [("eval.verify_cost=[1.0,0.5,1.6,2.2]", "eval.verify_cost"),
                                           ("eval.verify_cost_tokens=[1,2]", "eval.verify_cost"),
                                           ("eval.tree_budget=0", "eval.tree_budget"),
