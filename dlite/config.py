@@ -421,18 +421,26 @@ def _check_recipe(cfg: DictConfig) -> None:
              f"'teacher_init' or 'published', got {t.recipe!r}")
     _require(0 <= t.blend_frac <= 1 and t.distill_frac + t.blend_frac <= 1, "train.blend_frac",
              f"{t.blend_frac}: must be in [0, 1] with train.distill_frac + blend_frac <= 1")
-    for key in ("ce_weight", "tv_weight", "kl_weight"):
-        _require(t[key] >= 0, f"train.{key}", f"must be >= 0, got {t[key]}")
-    _require(t.ce_weight + t.tv_weight > 0, "train.ce_weight", "ce_weight + tv_weight must be > 0")
-    _require(t.loss_decay is None or t.loss_decay > 0, "train.loss_decay",
-             f"must be > 0 (or null: no decay), got {t.loss_decay}")
-    _require(t.ce_labels in ("data", "target_argmax"), "train.ce_labels",
-             f"'data' or 'target_argmax', got {t.ce_labels!r}")
+    _require(t.kl_weight >= 0, "train.kl_weight", f"must be >= 0, got {t.kl_weight}")
+    for pre in ("", "teacher_"):  # stage 2's loss and the teacher stage's own
+        _check_loss(t, pre)
     _require(t.recipe == "teacher_init" or cfg.drafter.head != "none", "train.recipe",
              "'published' copies and freezes the teacher's sequential head: drafter.head is 'none'")
     _require(w is None or w > 0, "drafter.history_window", f"must be > 0 (or null), got {w}")
     _require(not cfg.drafter.v1_teacher, "drafter.v1_teacher",
              "set by the teacher stage for a dlite_v1 design (drafter.arch=dlite_v1), not in a run config")
+
+
+def _check_loss(t: DictConfig, pre: str) -> None:
+    """One stage's CE + TV loss keys (`train.<pre>ce_weight`, ...)."""
+    for key in ("ce_weight", "tv_weight"):
+        _require(t[pre + key] >= 0, f"train.{pre}{key}", f"must be >= 0, got {t[pre + key]}")
+    _require(t[pre + "ce_weight"] + t[pre + "tv_weight"] > 0, f"train.{pre}ce_weight",
+             f"{pre}ce_weight + {pre}tv_weight must be > 0")
+    decay = t[pre + "loss_decay"]
+    _require(decay is None or decay > 0, f"train.{pre}loss_decay", f"must be > 0 (or null: no decay), got {decay}")
+    _require(t[pre + "ce_labels"] in ("data", "target_argmax"), f"train.{pre}ce_labels",
+             f"'data' or 'target_argmax', got {t[pre + 'ce_labels']!r}")
 
 
 def _check_eval_methods(e: DictConfig) -> None:

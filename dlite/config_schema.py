@@ -118,6 +118,14 @@ class TrainConfig:
     # CE's label: "data" (the row's next token) or "target_argmax" (the target's greedy
     # token at that position, as the authors' stage 2)
     ce_labels: str = "data"
+    # The teacher stage's loss, the same terms by keys of its own: the published stage 2
+    # (CE 1 + TV 1, no decay) made the dlite_v1 teacher's acceptance fall as its CE fell.
+    # Defaults: the teacher's loss before these keys; the authors' teacher is CE 0.1 on
+    # the target's greedy token + TV 1, decay 4 (FlashMTP run_training_dlite_teacher.sh).
+    teacher_ce_weight: float = 0.1
+    teacher_tv_weight: float = 0.9
+    teacher_loss_decay: Optional[float] = 4.0
+    teacher_ce_labels: str = "data"
     max_failures: int = 0  # Ray Train restarts before giving up
 
 

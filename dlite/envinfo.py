@@ -1,9 +1,10 @@
 """The `env` block every report and benchmark JSON carries (ARCHITECTURE.md §3):
 library versions and the device, so numbers from different machines are never mixed
-up silently."""
+up silently; `cpu_model` names the processor a speedup was timed on."""
 
 import os
 import platform
+from pathlib import Path
 
 
 def env_info() -> dict:
@@ -14,3 +15,14 @@ def env_info() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
             "device": dev, "torch_threads": torch.get_num_threads(), "platform": platform.platform()}
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what `platform` knows (Linux names
+    the model only there; elsewhere the processor or the architecture)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    name = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), None)
+    return name or platform.processor() or platform.machine()

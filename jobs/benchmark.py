@@ -34,6 +34,10 @@ per turn): tokens/s of each, their ratio (goal >= 4x), whether the greedy tokens
 trained by SpecForge's own trainer on this config's collection (or --shards), checked round
 by round against SpecForge's own decode loop on 20 held-out prompts, then evaluated beside
 our drafters (--drafter NAME=DIR, default: the finished align stage) on the same turns.
+`throughput`: closed-loop batched decoding of held-out turns at each of --concurrency
+(1,2,4,8,16): every method beside plain decoding batched the same way -- output tokens/s,
+per-request decode tokens/s, TPOT p50/p99, tau, speedup at the same concurrency, target KV
+and drafter state bytes per request, lossless per request; plots; an MLflow run.
 `gpu_check`: the prepared first GPU run (`scripts/gpu_check.sh` passes its sizes): the
 pipeline without ablation and publish, then the engine comparison on its shards; tokens/s,
 tau, engine overhead, peak GPU memory per training stage, seconds against the 8-minute budget.
@@ -168,6 +172,13 @@ def peers(cfg, args) -> dict:
     return run(cfg, args)
 
 
+def throughput(cfg, args) -> dict:
+    # Drafters: --drafter NAME=DIR (default: the finished align / dspark stages); turns:
+    # --requests of the held-out set with --min-context..--max-context tokens of history.
+    from pipelines.benchmarks.throughput import run
+    return run(cfg, args)
+
+
 def gpu_check(cfg, args) -> dict:
     # The pipeline runs as a subprocess with --config and the same key=value overrides.
     from pipelines.benchmarks.gpu_check import run
@@ -176,7 +187,7 @@ def gpu_check(cfg, args) -> dict:
 
 BENCHMARKS = {"draft_cost": draft_cost, "collect": collect, "train": train, "quality": quality,
               "target_probe": target_probe, "lookup_check": lookup_check, "loss_memory": loss_memory, "shape_rehearsal": shape_rehearsal,
-              "gpu_check": gpu_check, "regenerate": regenerate, "peers": peers}
+              "gpu_check": gpu_check, "regenerate": regenerate, "peers": peers, "throughput": throughput}
 
 
 def main(argv=None) -> int:
@@ -208,7 +219,12 @@ def main(argv=None) -> int:
         p.add_argument("--conversations", type=int, default=4, help="regenerate: how many trajectories")
         p.add_argument("--shards", default=None, help="peers: a full-mode collection (default: the config's collect stage)")
         p.add_argument("--drafter", action="append", default=[],
-                       help="peers: our drafter(s) to evaluate beside it, NAME=DIR (default: the align stage's)")
+                       help="peers, throughput: our drafter(s), NAME=DIR (default: the align stage's)")
+        p.add_argument("--concurrency", default="1,2,4,8,16", help="throughput: concurrent requests, a comma list")
+        p.add_argument("--requests", type=int, default=None,
+                       help="throughput: held-out turns to decode (default: twice the largest concurrency)")
+        p.add_argument("--min-context", type=int, default=1024, help="throughput: shortest history (tokens)")
+        p.add_argument("--max-context", type=int, default=8192, help="throughput: longest history (tokens)")
 
     name, (args, cfg) = argv[0], parse_args(argv[1:], extra)
     if args.dry_run:

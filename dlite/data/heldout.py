@@ -28,15 +28,28 @@ def _prompt_record(raw, where: str) -> Optional[dict]:
     return {"id": formats.record_id(raw, where), "turns": list(turns)}
 
 
-def _usable(raw, where: str, seen: set, keep_reasoning: bool) -> dict:
-    """One raw value -> a replayable record, or Quarantine (first occurrence of an id wins)."""
+def duplicate_id(rid: str) -> Quarantine:
+    """The quarantine of a record whose id appeared earlier (this reader and collection)."""
+    return Quarantine("duplicate_id", f"id {rid!r} appears earlier in the input")
+
+
+def canonical_record(raw, where: str, keep_reasoning: bool) -> dict:
+    """One value `formats.read_spec` yielded -> its canonical record, not yet validated
+    (this reader and collection); a Quarantine the reader yielded is raised as it is."""
     if isinstance(raw, Quarantine):
         raise raw
-    rec = _prompt_record(raw, where)
+    return formats.to_canonical(raw, where, keep_reasoning=keep_reasoning)
+
+
+def _usable(raw, where: str, seen: set, keep_reasoning: bool) -> dict:
+    """One raw value -> a replayable record, or Quarantine (first usable occurrence of an
+    id wins). Unlike collection, which decides duplicates over the whole input before
+    validating, ids are checked after validation: reading stops at `limit`, no first pass."""
+    rec = _prompt_record(raw, where)  # None for a Quarantine value too: raised below
     if rec is None:
-        rec = formats.normalise(formats.to_canonical(raw, where, keep_reasoning=keep_reasoning))
+        rec = formats.normalise(canonical_record(raw, where, keep_reasoning))
     if rec["id"] in seen:
-        raise Quarantine("duplicate_id", f"id {rec['id']!r} appears earlier in the input")
+        raise duplicate_id(rec["id"])
     seen.add(rec["id"])
     return rec
 

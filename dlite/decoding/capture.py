@@ -64,3 +64,11 @@ class LayerCapture:
         if any(o is None for o in self._outputs):
             raise RuntimeError("no forward captured yet (or hooks already removed)")
         return torch.cat([o[0] for o in self._outputs], dim=-1)
+
+    def row_features(self) -> torch.Tensor:
+        """[B, positions, K*H]: every batch row of the latest forward (batched decoding)."""
+        if not self.layer_ids:
+            return torch.zeros(0, 0, 0)
+        if any(o is None for o in self._outputs):
+            raise RuntimeError("no forward captured yet (or hooks already removed)")
+        return torch.cat(self._outputs, dim=-1)

@@ -89,14 +89,17 @@ def target_forward(target, ids: torch.Tensor, start: int, cache: DynamicCache,
                    attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run ids [n] at positions start..start+n-1 (or `position_ids` [1, n]) through the
     target, extending `cache`; `attention_mask`: a custom 4D mask (a token tree's).
-    Returns logits [n or logits_to_keep, V] for batch row 0."""
-    pos = position_ids if position_ids is not None else torch.arange(start, start + ids.shape[0], device=ids.device)[None]
+    Returns logits [n or logits_to_keep, V] for batch row 0. Rows of a batch (ids
+    [B, n], with `position_ids` [B, n] and a mask: `dlite.decoding.batch`) get
+    logits [B, n, V]."""
+    rows = ids.dim() == 2
+    pos = position_ids if position_ids is not None else torch.arange(start, start + ids.shape[-1], device=ids.device)[None]
     kw = {_cache_kwarg(type(target)): cache}
     if attention_mask is not None:
         kw["attention_mask"] = attention_mask
-    out = target(input_ids=ids[None], position_ids=pos, use_cache=True,
+    out = target(input_ids=ids if rows else ids[None], position_ids=pos, use_cache=True,
                  logits_to_keep=logits_to_keep, **kw)
-    return out.logits[0]
+    return out.logits if rows else out.logits[0]
 
 
 def _device(model) -> torch.device:

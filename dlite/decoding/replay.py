@@ -108,7 +108,7 @@ def iter_tasks(tokenizer, record: dict, max_turns: Optional[int] = None, how: st
         history.append({"role": "assistant", "content": reply})
 
 
-def _drafter_for(drafter, prompt_ids):
+def drafter_for(drafter, prompt_ids):
     """A drafter instance (it drafts blocks, or trees: `TreeHybrid.draft_tree`), or a
     factory prompt_ids -> drafter (e.g. SuffixDecoding, ContextVocab)."""
     is_drafter = hasattr(drafter, "draft") or hasattr(drafter, "draft_tree")
@@ -164,7 +164,7 @@ def _run_task(target, drafter, task: dict, a: EvalArgs, eos, spec_first: bool, s
               pre: Optional[Prefill] = None) -> dict:
     """Both loops on one prompt, in the given order, with per-loop seeded generators,
     from `pre` (this prompt's prefill) or a prefill of their own."""
-    d = _drafter_for(drafter, task["prompt_ids"])  # untimed, as a per-request factory call
+    d = drafter_for(drafter, task["prompt_ids"])  # untimed, as a per-request factory call
     pre = pre or prefill(target, task["prompt_ids"], d.target_layer_ids, d.needs_history)
     runs = [lambda: _spec(target, d, task, a, eos, seed, pre), lambda: _plain(target, task, a, eos, seed, pre)]
     res = _base(task, pre)
@@ -298,7 +298,7 @@ def replay_methods(target, tokenizer, builders: Dict[str, Callable], records: It
                     skipped[t] += 1  # counted, never silently dropped
                 else:
                     live[t] = task
-            ds = {(n, t): _drafter_for(f, live[t]["prompt_ids"]) for (n, t), f in made.items() if t in live}
+            ds = {(n, t): drafter_for(f, live[t]["prompt_ids"]) for (n, t), f in made.items() if t in live}
             pres = _shared_prefills(target, live, ds)
             for t, task in live.items():
                 at = dataclasses.replace(a, temperature=t)

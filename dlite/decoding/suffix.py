@@ -66,29 +66,28 @@ class SuffixDecoding:
         self.spec_kw = dict(max_spec_tokens=gamma, max_spec_factor=max_spec_factor,
                             max_spec_offset=max_spec_offset, min_token_prob=min_token_prob,
                             use_tree_spec=False)  # one chain; tree hybrids ask for trees
-        self._active: Optional[int] = None
+        self._active: set = set()  # several at once under batched decoding
         self._next_id = 0
 
     def __call__(self, prompt_ids) -> "SuffixDrafter":
-        self.stop()
         return SuffixDrafter(self, prompt_ids)
 
     def fork(self) -> "SuffixDecoding":
         """The same settings over empty trees (a warm-up run that must not teach this one)."""
         return SuffixDecoding(self.vocab_size, **self._settings)
 
-    def stop(self) -> None:
-        """End the active request: its prompt tree goes, its response stays global."""
-        if self._active is not None:
-            self.cache.stop_request(self._active)
-            self._active = None
+    def stop(self, req_id: int) -> None:
+        """End request `req_id`: its prompt tree goes, its response stays global."""
+        if req_id in self._active:
+            self.cache.stop_request(req_id)
+            self._active.discard(req_id)
 
     def start(self, prompt_ids: List[int]) -> int:
-        """A fresh request id; one request at a time, as the decoding loop runs."""
-        self.stop()
+        """A fresh request id. Several may be active at once (batched decoding: every
+        row's request), each ended by its drafter's `finish`."""
         req_id, self._next_id = self._next_id, self._next_id + 1
         self.cache.start_request(req_id, prompt_ids)
-        self._active = req_id
+        self._active.add(req_id)
         return req_id
 
     def global_bytes(self) -> int:
@@ -169,12 +168,13 @@ class SuffixDrafter(TokenDrafter):
     def finish(self, state: SuffixState, new_tokens: List[int]) -> None:
         """After the last round: the tokens emitted since the last `propose` (the last
         round's accepted drafts and bonus) join the response, so the global tree holds
-        the whole output for later requests."""
+        the whole output for later requests; then the request ends."""
         if state.req_id is not None:
             fed = state.fed - len(self.prompt_ids)
             if new_tokens[fed:]:
                 self.owner.cache.add_active_response(state.req_id, [int(x) for x in new_tokens[fed:]])
             state.fed = len(self.prompt_ids) + len(new_tokens)
+            self.owner.stop(state.req_id)
 
     def cache_bytes(self, state: SuffixState) -> int:
         """The request's own suffix tree (host memory, ~300 B per token at depth 64):

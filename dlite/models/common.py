@@ -344,3 +344,35 @@ def sample_block(step, gamma: int, anchor_id: int, temperature: float, device, v
         return (torch.empty(0, dtype=torch.long, device=device),
                 None if temperature <= 0 else torch.empty(0, full_v, device=device))
     return torch.cat(tokens), (vocab.to_full(torch.stack(probs)) if probs else None)
+
+
+def sample_rows(step, gamma: int, anchors: torch.Tensor, temperature: float, vocab: FrozenVocab,
+                generator: Optional[torch.Generator] = None, stop_prob: float = 0.0) -> list:
+    """`sample_block` for B independent blocks at once: step(k, prev [B], state) ->
+    (logits [B, N], state); returns B (tokens, probs) pairs as `sample_block` would.
+    Every row walks all gamma slots (one batched head step each) and is then cut where
+    `sample_block`'s stop rule would have stopped it: the same rule, read afterwards,
+    so no row waits on a host sync per slot."""
+    prev, toks, probs, tops, chosen, state = anchors, [], [], [], [], None
+    for k in range(gamma):
+        logits, state = step(k, prev, state)
+        if temperature > 0:
+            p = torch.softmax(logits.float() / temperature, dim=-1)
+            idx = torch.multinomial(p, 1, generator=generator)[:, 0]
+            probs.append(p)
+        else:
+            idx = logits.argmax(-1)
+            p = torch.softmax(logits.float(), -1) if stop_prob > 0 else None
+        if stop_prob > 0:
+            tops.append(p.max(-1).values)
+            chosen.append(p.gather(-1, idx[:, None])[:, 0])
+        prev = vocab.to_target(idx)
+        toks.append(prev)
+    tokens = torch.stack(toks, 1)
+    cut = [gamma] * tokens.shape[0]
+    if stop_prob > 0:  # slot k kept iff (product of earlier chosen) x top_k >= stop_prob
+        sure = torch.cat([torch.ones_like(chosen[0])[:, None], torch.stack(chosen, 1).cumprod(1)[:, :-1]], 1)
+        ok = (sure * torch.stack(tops, 1)) >= stop_prob
+        cut = ok.long().cumprod(1).sum(1).tolist()
+    full = vocab.to_full(torch.stack(probs, 1)) if probs else None
+    return [(tokens[b, :c], None if full is None else full[b, :c]) for b, c in enumerate(cut)]

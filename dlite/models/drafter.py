@@ -3,14 +3,14 @@ K chosen layer outputs at the last verified position), the anchor token and its
 position; a parallel backbone drafts the whole block in one pass and a small
 sequential head in hidden space walks it left to right. No cache, constant cost."""
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from dlite.models.common import as_batched, block_inputs, block_layout, embed_in, gather_positions, init_weights
 from dlite.models.config import DrafterConfig
-from dlite.models.heads import build_student_parts, context_states, draft_tokens, head_logits
+from dlite.models.heads import build_student_parts, context_states, draft_token_rows, draft_tokens, head_logits
 from dlite.models.layers import StaticMemory
 
 
@@ -58,6 +58,21 @@ class DLiteDrafter(nn.Module):
         h = self.backbone(x, pos, mem)
         tokens, probs = draft_tokens(self, h, anchor_id, temperature, generator, vocab)
         return tokens, probs, None
+
+    @torch.no_grad()
+    def draft_rows(self, feats: torch.Tensor, anchors: Sequence[int], positions: Sequence[int],
+                   temperature: float, generator: Optional[torch.Generator] = None) -> list:
+        """`draft` for B requests in one pass -- what being history-free buys a batch: no
+        state per request, so B rows are B anchors. feats [B, F] (each row's last
+        verified position), anchors / positions [B] -> B (tokens, probs) pairs."""
+        dev = feats.device
+        a = torch.as_tensor(list(anchors), dtype=torch.long, device=dev)
+        ids = torch.full((a.shape[0], self.gamma), self.vocab.mask_token_id, device=dev)
+        ids[:, 0] = a
+        pos = torch.as_tensor(list(positions), device=dev)[:, None] + torch.arange(self.gamma, device=dev)[None]
+        x, mem = self._context(context_states(self, feats.reshape(a.shape[0], self.feature_dim)),
+                               pos[:, :1] - 1, embed_in(self, ids))
+        return draft_token_rows(self, self.backbone(x, pos, mem), a, temperature, generator)
 
     def cache_bytes(self, state) -> int:
         return 0

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlite.models.common import attach_target, embed_in, sample_block
+from dlite.models.common import attach_target, embed_in, sample_block, sample_rows
 from dlite.models.config import DrafterConfig
 from dlite.models.layers import Backbone, RMSNorm
 
@@ -121,3 +121,14 @@ def draft_tokens(model, h, anchor_id: int, temperature: float, generator=None, v
         return model.backbone.logits(hk, vocab.out_weight)[0], state
     return sample_block(step, model.gamma, anchor_id, temperature, h.device, vocab, generator,
                         model.draft_stop_prob)
+
+
+def draft_token_rows(model, h, anchors: torch.Tensor, temperature: float, generator=None) -> list:
+    """`draft_tokens` for B blocks at once: h [B, g, hid], anchors [B] (target ids) ->
+    B (tokens, probs) pairs, the head stepping every row together."""
+    vocab = model.vocab
+
+    def step(k, prev, state):
+        hk, state = model.head.step(h[:, k], embed_in(model, prev), state)
+        return model.backbone.logits(hk, vocab.out_weight), state
+    return sample_rows(step, model.gamma, anchors, temperature, vocab, generator, model.draft_stop_prob)

@@ -8,7 +8,9 @@ itself (SmolLM2-135M on 2 CPU cores, verifying 8 tokens: 169 ms at 4K context ag
 77 ms for one decode step). Here the query heads that share a key/value head are folded
 into the query-length axis instead, with the mask repeated to match, so the cache is
 read once: 114 ms at 4K, 164 ms at 7K instead of 238 ms, with bitwise-equal logits.
-Every other call (one token, no mask, per-head masks) is transformers' own sdpa."""
+One token under a mask (a step of batched decoding, `dlite.decoding.batch`, whose rows
+have different lengths) is packed the same way. Every other call (no mask, per-head
+masks) is transformers' own sdpa."""
 
 import torch
 from transformers import AttentionInterface
@@ -23,7 +25,9 @@ def packed_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scal
     """query [B, H, q, d], key/value [B, H_kv, L, d] -> attention output [B, q, H, d]."""
     rep = getattr(module, "num_key_value_groups", 1)
     B, H, q, d = query.shape
-    if (rep == 1 or q == 1 or attention_mask is None or attention_mask.shape[1] != 1
+    # One token with a mask (a batched decoding step: rows of different lengths) is
+    # packed too; one token without one (batch 1) is transformers' own GQA path.
+    if (rep == 1 or attention_mask is None or attention_mask.shape[1] != 1
             or kwargs.get("position_bias") is not None or (dropout and module.training)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)

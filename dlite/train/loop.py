@@ -50,12 +50,16 @@ def freeze_head(engine, frozen: bool, lr: float) -> None:
     """Freeze (or thaw) the model's sequential head: no gradients (as the authors), and
     learning rate 0 for its parameter group (`dlite.train.optim.adamw`), so no engine
     moves it -- DeepSpeed's ZeRO optimizer steps every parameter with a zero gradient
-    where it has none, and decoupled weight decay would still shrink it."""
+    where it has none, and decoupled weight decay would still shrink it. That group exists
+    only for a model marked by `dlite.train.optim.separate_head`: without it, refuse."""
+    groups = [g for g in engine.optimizer.param_groups if g.get("name") == "head"]
+    if not groups:
+        raise ValueError("freeze_head: the optimizer has no 'head' group (build the model with "
+                         "dlite.train.optim.separate_head, as dlite.train.plan.build_model does)")
     for p in head_parameters(engine.module):
         p.requires_grad_(not frozen)
-    for g in engine.optimizer.param_groups:
-        if g.get("name") == "head":
-            g["lr"] = 0.0 if frozen else lr
+    for g in groups:
+        g["lr"] = 0.0 if frozen else lr
 
 
 def to_device(batch: dict, device) -> dict:

@@ -19,12 +19,23 @@ def lr_at(step: int, total: int, lr: float, warmup_frac: float, floor: float = 0
     return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
+def separate_head(model) -> None:
+    """Mark `model` for a "head" parameter group of its own (`adamw`): the published
+    recipe's align stage freezes the copied sequential head by that group's lr
+    (`dlite.train.loop.freeze_head`). Marked where the model is built
+    (`dlite.train.plan.build_model`), because every engine builds its optimizer from the
+    bare model and DeepSpeed's calls `adamw` with nothing else to go on."""
+    model.separate_head_group = True
+
+
 def adamw(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; the sequential head (`head_parameters`) in a
-    group of its own named "head", which the published recipe freezes by its lr
-    (`dlite.train.loop.freeze_head`)."""
-    head = {id(p) for p in head_parameters(model)}
+    """AdamW over the trainable parameters, in one group named "body"; a model marked by
+    `separate_head` also gets its sequential head (`head_parameters`) as a group named
+    "head". Only that model: an optimizer's state loads only into the same group layout,
+    and every checkpoint saved before the published recipe has one group."""
     params = [p for p in model.parameters() if p.requires_grad]
+    apart = getattr(model, "separate_head_group", False)
+    head = {id(p) for p in head_parameters(model)} if apart else set()
     groups = [{"params": [p for p in params if id(p) not in head], "name": "body"},
               {"params": [p for p in params if id(p) in head], "name": "head"}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95),

@@ -1,6 +1,7 @@
 """What each training stage trains, engine- and cluster-free (DLITE.md §3):
 
-  teacher  the history-aware teacher (`arch=teacher`) against the target
+  teacher  the history-aware teacher (`arch=teacher`) against the target, by its own
+           loss keys (`train.teacher_*`), whatever the recipe's stage 2
   align    the DLite student, initialised from the teacher's shared weights, distilling
            the teacher's block distributions for `distill_frac` of `steps_align`, then
            against the target. `train.skip_teacher` is the ablation: the student from
@@ -40,6 +41,7 @@ from dlite.models import DrafterConfig, build_drafter, init_student_from_teacher
 from dlite.models.teacher import copy_head
 from dlite.train.data import collate, training_row
 from dlite.train.loop import LoopConfig, to_device
+from dlite.train.optim import separate_head
 from dlite.train.step import LossSpec
 
 STAGE_ARCH = {"teacher": "teacher", "align": "dlite", "dspark": "dspark"}
@@ -83,13 +85,20 @@ def plan_stage(cfg, stage: str) -> StagePlan:
                      round(t.blend_frac * t.steps_align), t.recipe)
 
 
+def freezes_head(plan: StagePlan) -> bool:
+    """Recipe "published": the student's copied head is frozen in stage 1, by the lr of an
+    optimizer group of its own (`dlite.train.optim.separate_head`)."""
+    return plan.recipe == "published" and plan.from_teacher
+
+
 def loop_config(cfg, plan: StagePlan) -> LoopConfig:
-    """The loop's schedule and loss (recipe "published": the head frozen in stage 1)."""
+    """The loop's schedule and loss: the teacher stage's own (`train.teacher_*`), else
+    the recipe's stages (recipe "published": the head frozen in stage 1)."""
     t = cfg.train
+    spec = LossSpec.for_teacher(t) if plan.stage == "teacher" else LossSpec.from_train(t)
     return LoopConfig(steps=plan.steps, lr=t.lr, warmup_frac=t.warmup_frac, grad_accum=t.grad_accum,
                       distill_steps=plan.distill_steps, blend_steps=plan.blend_steps,
-                      eval_every=t.eval_every, spec=LossSpec.from_train(t),
-                      freeze_head=plan.recipe == "published" and plan.from_teacher)
+                      eval_every=t.eval_every, spec=spec, freeze_head=freezes_head(plan))
 
 
 def drafter_config(cfg, arch: str) -> DrafterConfig:
@@ -174,6 +183,8 @@ def build_model(cfg, plan: StagePlan, vocab: tuple, teacher=None, device=None, d
             copy_head(model, teacher)  # the rest stays at its fresh init
         else:
             init_student_from_teacher(model, teacher)
+    if freezes_head(plan):
+        separate_head(model)  # the loop freezes the copied head by its optimizer group's lr
     return model.to(device or "cpu")
 
 

@@ -47,8 +47,9 @@ def reference_probs(batch: dict, anchors, gamma: int, vocab, teacher=None) -> to
 
 @dataclass(frozen=True)
 class LossSpec:
-    """What a step's loss is made of (`train.*` keys of the same names). Stage 2 (against
-    the target): ce_weight x CE + tv_weight x L1, slots weighted by `loss_decay`.
+    """What a step's loss is made of (`train.*` keys of the same names; the teacher stage's
+    are `train.teacher_*`). Stage 2 (against the target): ce_weight x CE + tv_weight x L1,
+    slots weighted by `loss_decay`.
     Stage 1 (against the teacher): the same terms (recipe "teacher_init") or kl_weight x
     KL(teacher || student) (recipe "published", `distill_kl`)."""
     ce_weight: float = 0.1
@@ -60,8 +61,17 @@ class LossSpec:
 
     @classmethod
     def from_train(cls, t) -> "LossSpec":
+        """The align and DSpark stages' loss: stage 2 from the `train.*` keys, stage 1 by
+        `train.recipe`."""
         return cls(t.ce_weight, t.tv_weight, t.loss_decay, t.kl_weight, t.recipe == "published",
                    t.ce_labels == "target_argmax")
+
+    @classmethod
+    def for_teacher(cls, t) -> "LossSpec":
+        """The teacher stage's loss from its own `train.teacher_*` keys: it trains against
+        the target only, so no stage-1 term and no recipe reach it."""
+        return cls(t.teacher_ce_weight, t.teacher_tv_weight, t.teacher_loss_decay,
+                   ce_target_argmax=t.teacher_ce_labels == "target_argmax")
 
 
 def compute_loss(model, batch: dict, teacher=None, spec: LossSpec = LossSpec(),

@@ -70,7 +70,11 @@ ABLATIONS: Dict[str, tuple] = {  # in the order `all` runs them: the likeliest c
 # their 1-epoch stage 1 / 1-epoch blend become a quarter of the align steps each here).
 RECIPE = {"train.recipe": "published", "train.distill_frac": 0.25, "train.blend_frac": 0.25,
           "train.kl_weight": 1.0, "train.ce_weight": 1.0, "train.tv_weight": 1.0,
-          "train.loss_decay": None, "train.ce_labels": "target_argmax", "drafter.history_window": 512}
+          "train.loss_decay": None, "train.ce_labels": "target_argmax", "drafter.history_window": 512,
+          # the authors' teacher loss (FlashMTP run_training_dlite_teacher.sh): CE 0.1 on the
+          # target's greedy token + TV 1.0, slot weights decaying at 4
+          "train.teacher_ce_weight": 0.1, "train.teacher_tv_weight": 1.0, "train.teacher_loss_decay": 4.0,
+          "train.teacher_ce_labels": "target_argmax"}
 STAGES = ["collect", "teacher", "align", "evaluate"]
 PUBLISHED_STAGES = ["collect", "align", "evaluate"]  # trained from scratch: no teacher stage
 

@@ -3,6 +3,7 @@
   accept_at_k_plot     acceptance per draft slot, one line per method (greedy)
   tau_by_bucket_plot   tau per context-length bucket, grouped bars per method (greedy)
   loss_curves_plot     training loss per stage, from `loss_curves_from_mlflow`
+  by_concurrency_plot  a throughput figure against concurrency, one line per method
 
 `methods` is `{name: metrics}` as `dlite.card.report_methods` returns it. Figures are
 built on `matplotlib.figure.Figure` with the Agg canvas, never pyplot: no global figure
@@ -109,6 +110,24 @@ def tau_by_bucket_plot(methods: Dict[str, dict], path) -> str:
     ax.grid(axis="y", alpha=0.3)
     ax.margins(y=0.1)
     fig.legend(loc="outside lower center", ncols=min(3, len(names)))  # below the axes: never over a bar
+    return _save(fig, path)
+
+
+def by_concurrency_plot(methods: Dict[str, Dict[str, dict]], key: str, ylabel: str, path) -> str:
+    """`key` against concurrency, one line per method that reports it (the throughput
+    benchmark's {method: {str(concurrency): figures}}); log2 x axis (1, 2, 4, ...)."""
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for name in methods:
+        pts = sorted((int(c), _nan(r.get(key))) for c, r in methods[name].items() if key in r)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    if not ax.lines:
+        raise ValueError(f"plot: no method reports `{key}`")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="concurrent requests", ylabel=ylabel, title=f"{ylabel} by concurrency")
+    ax.grid(alpha=0.3)
+    fig.legend(loc="outside lower center", ncols=min(3, len(ax.lines)))
     return _save(fig, path)
 
 

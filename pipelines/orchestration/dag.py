@@ -33,8 +33,11 @@ from pipelines.common import tracking
 MARKER = "stage.json"
 _TRAIN_COMMON = ("run.seed", "drafter", "train.lr", "train.warmup_frac", "train.weight_decay",
                  "train.batch_size", "train.grad_accum", "train.grad_clip", "train.zero_stage",
-                 "train.precision", "train.eval_every", "train.supervise", "cluster.num_workers",
-                 "train.ce_weight", "train.tv_weight", "train.loss_decay", "train.ce_labels")
+                 "train.precision", "train.eval_every", "train.supervise", "cluster.num_workers")
+# The loss each training stage reads: the teacher its own keys, the others stage 2's.
+_STAGE2_LOSS = ("train.ce_weight", "train.tv_weight", "train.loss_decay", "train.ce_labels")
+_TEACHER_LOSS = ("train.teacher_ce_weight", "train.teacher_tv_weight", "train.teacher_loss_decay",
+                 "train.teacher_ce_labels")
 # Which drafter each training stage yields, under the name reports and plots use.
 METHODS = {"align": "dlite", "align_no_teacher": "dlite_no_teacher", "dspark": "dspark"}
 
@@ -63,11 +66,11 @@ DEFS = [
     StageDef("regenerate", (), _REGEN_KEYS, switch="data.regenerate", feeds="collect"),
     StageDef("collect", ("regenerate",), ("run.seed", "target", "data", "drafter.target_layer_ids",
                                           "drafter.gamma")),
-    StageDef("teacher", ("collect",), _TRAIN_COMMON + ("train.steps_teacher",)),
-    StageDef("align", ("collect", "teacher"), _TRAIN_COMMON + ("train.steps_align", "train.distill_frac",
+    StageDef("teacher", ("collect",), _TRAIN_COMMON + _TEACHER_LOSS + ("train.steps_teacher",)),
+    StageDef("align", ("collect", "teacher"), _TRAIN_COMMON + _STAGE2_LOSS + ("train.steps_align", "train.distill_frac",
                                                          "train.recipe", "train.blend_frac", "train.kl_weight")),
-    StageDef("align_no_teacher", ("collect",), _TRAIN_COMMON + ("train.steps_teacher", "train.steps_align")),
-    StageDef("dspark", ("collect",), _TRAIN_COMMON + ("train.steps_dspark",)),
+    StageDef("align_no_teacher", ("collect",), _TRAIN_COMMON + _STAGE2_LOSS + ("train.steps_teacher", "train.steps_align")),
+    StageDef("dspark", ("collect",), _TRAIN_COMMON + _STAGE2_LOSS + ("train.steps_dspark",)),
     StageDef("evaluate", ("align", "align_no_teacher", "dspark"),
              ("run.seed", "target", "data.heldout_path", "data.corpus", "data.min_chars", "data.max_chars",
               "eval")),
@@ -110,6 +113,9 @@ _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size"
                  "train.ce_weight": 0.1, "train.tv_weight": 0.9, "train.loss_decay": 4.0,
                  "train.ce_labels": "data", "train.recipe": "teacher_init", "train.blend_frac": 0.0,
                  "train.kl_weight": 1.0,
+                 # the teacher's own loss keys at the stage-2 defaults it read before them
+                 "train.teacher_ce_weight": 0.1, "train.teacher_tv_weight": 0.9,
+                 "train.teacher_loss_decay": 4.0, "train.teacher_ce_labels": "data",
                  "data.corpus": "builtin", "data.extra_prompts": None, "data.extra_prompts_limit": 0,
                  "data": {"regen_temperature": 0.0, "regen_top_p": 1.0, "regen_samples": 1,
                           "regen_batch_size": 8, "corpus": "builtin", "extra_prompts": None,

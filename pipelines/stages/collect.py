@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 
 from dlite.data import formats, shards
 from dlite.data.formats import Quarantine
+from dlite.data.heldout import canonical_record, duplicate_id
 from dlite.data.shards import Store
 from pipelines.common.ray_cluster import init_ray
 
@@ -93,16 +94,14 @@ def _prepare(batch, duplicates, require_assistant, keep_reasoning=False, canonic
         for index, where, raw in formats.read_spec(spec):
             read, rid = read + 1, None
             try:
-                if isinstance(raw, Quarantine):
-                    raise raw
-                if canonical:
+                if canonical and not isinstance(raw, Quarantine):  # a Quarantine value: raised below
                     recs.append({"index": index, "where": where, "id": raw["id"],
                                  "messages": raw["messages"], "tools": raw.get("tools") or []})
                     continue
-                rec = formats.to_canonical(raw, where, keep_reasoning=keep_reasoning)
+                rec = canonical_record(raw, where, keep_reasoning)
                 rid = rec["id"]
-                if index in dups:
-                    raise Quarantine("duplicate_id", f"id {rid!r} appears earlier in the input")
+                if index in dups:  # decided over the whole input (`_duplicates`), before validation
+                    raise duplicate_id(rid)
                 recs.append({"index": index, "where": where,
                              **formats.normalise(rec, require_assistant)})
             except Quarantine as q:

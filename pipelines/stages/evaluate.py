@@ -14,6 +14,8 @@ prompts.
               `eval.speed_trajectories` records with every drafter, plain and
               speculative interleaved per prompt so machine noise cancels
               -> speedup_vs_ar, tokens/s, time split
+Before both, the choose / tree hybrids' calibration is fitted on validation turns
+(`pipelines.stages.evaluate_calibration`) and reported as `calibration`.
 
 Report (ARCHITECTURE.md §3): `{"methods": {name: report}, "primary": name, <the
 primary method's metrics at top level>, "plain", "config", "env"}`; each method's
@@ -31,6 +33,7 @@ import ray
 from omegaconf import OmegaConf
 
 from pipelines.common.ray_cluster import init_ray
+from pipelines.stages.evaluate_calibration import hybrid_calibration
 
 # The order methods are listed, plotted and picked as primary in.
 METHOD_ORDER = ("dlite", "dlite_no_teacher", "teacher", "dspark")
@@ -59,19 +62,6 @@ def heldout_set(cfg) -> tuple:
     label = "builtin:heldout" if cfg.data.corpus == "builtin" else f"builtin:{cfg.data.corpus}-heldout"
     return records, {"path": label, "read": len(records), "used": len(records),
                      "quarantined": 0, "reasons": {}, "quarantine": []}
-
-
-def calibration_set(cfg) -> list:
-    """Validation trajectories for the hybrids' calibration, never the reported ones: the
-    `data.heldout_path` records after the first `eval.n_trajectories`, or built-in
-    held-out trajectories of another seed (run.seed + 1)."""
-    k, n = cfg.eval.calibration_trajectories, cfg.eval.n_trajectories
-    if cfg.data.heldout_path:
-        from dlite.data.heldout import read_heldout
-        return read_heldout(cfg.data.heldout_path, n + k, cfg.data.keep_reasoning)[0][n:]
-    from dlite.corpus import build
-    lo, hi = cfg.eval.min_chars or cfg.data.min_chars, cfg.eval.max_chars or cfg.data.max_chars
-    return build.heldout_records(cfg.data.corpus, k, cfg.run.seed + 1, lo, hi)
 
 
 def heldout_records(cfg) -> list:
@@ -134,21 +124,8 @@ def _replay_all(cfg_dict: dict, drafters: Dict[str, str], records: list, tempera
     return replay_methods(model, tok, builders, records, cfg.eval, temperatures, timed)[0]
 
 
-def _calibrate(cfg_dict: dict, drafters: Dict[str, str], records: list) -> dict:
-    """One worker: the hybrids' calibration fitted on validation `records` with the
-    primary drafter (`dlite.decoding.calibrate`)."""
-    from dlite.decoding.calibrate import fit_calibration
-    cfg = OmegaConf.create(cfg_dict)
-    model, tok, learned, vocab = _load(cfg, drafters, 1)
-    primary = next(iter(learned.values()))
-    primary.draft_stop_prob = cfg.eval.draft_stop_prob  # as method_builders sets it
-    return fit_calibration(model, tok, cfg.eval, primary, vocab, records, cfg.eval.calibration_max_turns)
-
-
 def _timed_replay(cfg_dict: dict, drafters: Dict[str, str], records: list, temperatures: list,
                   threads: int, calibration: dict = None) -> tuple:
-
-
     """The speed worker: `_replay_all` timed, and where it ran -- the machine's load
     before and after (1-minute load average), cores, torch threads, CPU model: how much
     a verification saves depends on the machine and what else it runs, so a speedup is
@@ -156,21 +133,14 @@ def _timed_replay(cfg_dict: dict, drafters: Dict[str, str], records: list, tempe
     import os
     import platform
     import torch
+    from dlite.envinfo import cpu_model
     before = os.getloadavg()[0]
     speed = _replay_all(cfg_dict, drafters, records, temperatures, threads, timed=True, calibration=calibration)
     return speed, {"loadavg_1m_before": round(before, 2), "loadavg_1m_after": round(os.getloadavg()[0], 2),
                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                   "cpu_model": _cpu_model() or platform.processor() or platform.machine(),
+                   "cpu_model": cpu_model(),
                    "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                    "host": platform.node()}
-
-
-def _cpu_model():
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    return next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), None)
 
 
 def _method_report(cfg, name: str, parts: list, speed: dict, temperatures: list) -> dict:
@@ -220,7 +190,7 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
               f"{heldout['quarantined']} quarantined {heldout['reasons']}", flush=True)
     print(f"[evaluate] {len(drafters)} drafters{' + ' + ', '.join(extra) if extra else ''} x "
           f"{len(records)} trajectories x T={temps} on {n} workers, then speed on 1 worker", flush=True)
-    calibration = _calibration(cfg, conf, drafters, gpus)
+    calibration = hybrid_calibration(cfg, conf, drafters, gpus)
     parts = ray.get([task.remote(conf, drafters, records[i::n], temps, calibration=calibration) for i in range(n)])
     timer = ray.remote(num_cpus=1, num_gpus=gpus)(_timed_replay)
     speed, timing = ray.get(timer.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps,
@@ -242,21 +212,6 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
             "n_trajectories": len(records), "heldout": heldout, "target_fingerprint": tgt.fingerprint(cfg.target),
             "calibration": calibration,
             "config": conf, "env": env_info()}
-
-
-def _calibration(cfg, conf: dict, drafters: Dict[str, str], gpus) -> dict:
-    """The choose / tree hybrids' calibration, fitted on one worker before the reported
-    replay (None: no such hybrid; `eval.calibration_trajectories` 0: the defaults)."""
-    from dlite.decoding.calibrate import scored_token_methods
-    from dlite.decoding.calibration import Calibration
-    if not scored_token_methods(cfg.eval.hybrids):
-        return None
-    if not cfg.eval.calibration_trajectories:
-        return Calibration().to_dict()
-    records = calibration_set(cfg)
-    print(f"[evaluate] calibrating {list(cfg.eval.hybrids)} on {len(records)} validation trajectories", flush=True)
-    task = ray.remote(num_cpus=1, num_gpus=gpus)(_calibrate)
-    return ray.get(task.remote(conf, drafters, records))
 
 
 def _context_vocab_methods(cfg, drafters: Dict[str, str]) -> list:

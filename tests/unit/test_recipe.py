@@ -18,7 +18,7 @@ from dlite.models.history import HistoryCache, packed_block_mask
 from dlite.models.teacher import copy_head, head_parameters
 from dlite.train import plan as st
 from dlite.train.loop import LoopConfig, teacher_share, train_loop
-from dlite.train.optim import PlainEngine
+from dlite.train.optim import PlainEngine, separate_head
 from dlite.train.step import LossSpec, compute_loss
 
 TINY = "configs/experiments/tiny.yaml"
@@ -178,6 +178,7 @@ def test_copied_head_frozen_in_stage1_then_trained(tiny, arch):
     assert names and all(torch.equal(s[n], t[n]) for n in names)
     head = head_parameters(student)
     rest = {n: p.detach().clone() for n, p in student.named_parameters() if not any(p is h for h in head)}
+    separate_head(student)  # as `build_model` does for the published recipe
     engine = PlainEngine(student, 1e-2, 0.01, 1.0)
     teacher.requires_grad_(False)
     batches = iter([_batch(seed=i) for i in range(4)])
@@ -236,6 +237,7 @@ def test_frozen_head_group_does_not_move_even_with_zero_grads(tiny):
     from dlite.train.loop import freeze_head
     cfg, vocab, _ = tiny
     model = _model(cfg, vocab, None)
+    separate_head(model)
     engine = PlainEngine(model, 1e-2, 0.5, 0.0)
     assert [g["name"] for g in engine.optimizer.param_groups] == ["body", "head"]
     freeze_head(engine, True, 1e-2)
@@ -248,3 +250,14 @@ def test_frozen_head_group_does_not_move_even_with_zero_grads(tiny):
     assert not moved & {id(p) for p in head} and moved  # the body decayed, the head did not
     freeze_head(engine, False, 1e-2)
     assert all(p.requires_grad for p in head) and engine.optimizer.param_groups[1]["lr"] == 1e-2
+
+
+def test_freeze_head_refuses_an_optimizer_without_a_head_group(tiny):
+    """Only a model marked by `separate_head` has the group: freezing without it would
+    leave the head to DeepSpeed's zero-gradient steps and weight decay."""
+    from dlite.train.loop import freeze_head
+    cfg, vocab, _ = tiny
+    engine = PlainEngine(_model(cfg, vocab, None), 1e-2, 0.5, 0.0)
+    assert [g["name"] for g in engine.optimizer.param_groups] == ["body"]
+    with pytest.raises(ValueError, match="no 'head' group"):
+        freeze_head(engine, True, 1e-2)

@@ -270,3 +270,50 @@ def test_supervise_all_trains_on_every_position(setup):
     old = dag._stage_hash(cfg, before, {}, "t")  # the stage as hashed before the key existed
     assert dag._stage_hash(cfg, d, {}, "t") == old
     assert dag._stage_hash(OmegaConf.merge(cfg, {"train": {"supervise": "all"}}), d, {}, "t") != old
+
+
+# ---------------------------------------------------------------- optimizer layout and resume
+
+def _align_student(setup, recipe: str, stage: str = "align"):
+    """The stage's model as `build_model` makes it (the align student from a fresh teacher)."""
+    from dlite.train import plan as st
+    _, model, tok, _ = setup
+    cfg = load_config("configs/experiments/tiny.yaml", [f"train.recipe={recipe}"])
+    teacher = _drafter(cfg, model, tok, "teacher")
+    return st.build_model(cfg, st.plan_stage(cfg, stage), tgt.shared_vocab(model, tok), teacher)
+
+
+def _groups(model) -> list:
+    return [g["name"] for g in PlainEngine(model, 1e-3, 0.01, 1.0).optimizer.param_groups]
+
+
+def test_head_group_only_where_the_recipe_freezes_the_head(setup):
+    assert _groups(_align_student(setup, "teacher_init")) == ["body"]
+    assert _groups(_align_student(setup, "published")) == ["body", "head"]
+    assert _groups(_align_student(setup, "published", "teacher")) == ["body"]  # nothing frozen there
+
+
+def test_checkpoint_with_one_group_resumes_under_teacher_init(setup, tmp_path):
+    """An align checkpoint saved before the head group existed (one group over every
+    trainable parameter, `adamw` as it was) loads into the teacher_init engine with the
+    same moments, and training goes on; the published layout refuses it."""
+    _, _, _, rows = setup
+    batch = collate(rows[:2])
+    student = _align_student(setup, "teacher_init")
+    old = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-3,
+                            betas=(0.9, 0.95), weight_decay=0.01)
+    compute_loss(student, batch)[0].backward()
+    old.step()
+    torch.save({"model": student.state_dict(), "optimizer": old.state_dict(), "global_steps": 1},
+               tmp_path / "ckpt.pt")
+    sd = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    engine = PlainEngine(_align_student(setup, "teacher_init"), 1e-3, 0.01, 1.0)
+    engine.load_state_dict(sd)
+    saved = old.state_dict()["state"]
+    loaded = engine.optimizer.state_dict()["state"]
+    assert sorted(loaded) == sorted(saved) and engine.global_steps == 1
+    assert all(torch.equal(loaded[i]["exp_avg"], saved[i]["exp_avg"]) for i in saved)
+    engine.backward(compute_loss(engine.module, batch)[0])
+    assert engine.step() and engine.global_steps == 2
+    with pytest.raises(ValueError, match="parameter groups"):
+        PlainEngine(_align_student(setup, "published"), 1e-3, 0.01, 1.0).load_state_dict(sd)

@@ -1,0 +1,138 @@
+"""A KV cache of B rows holding different requests of different lengths: what lets one
+target forward verify every row's block (`dlite.decoding.batch`).
+
+Layout: left-aligned. Row b's valid entries are slots 0..len_b-1, holding positions
+0..len_b-1 (slot index == position, always); slots len_b..L-1 (L = the longest row)
+are padding, masked out of attention. A round appends n slots to every row at
+L..L+n-1 (row b's block: anchor + drafts, padded to n); after verification row b keeps
+its first `kept_b` new slots, which are moved down to len_b..len_b+kept_b-1, and the
+cache is cut back to the new longest row. Per round that moves only the kept tail (a
+few slots per row), never a row's history; the cost of raggedness is the padding each
+shorter row carries (attention over masked slots), reported by `padding_share`.
+
+The alternative, rejected slots left in place and masked ("holes"), would need no move
+but grows the cache by n slots per round for every row and needs compaction later.
+
+A finished row is refilled with the next request's prefill (`place`): its entries are
+copied into the row's slots (the cache grows to the new row's length if it is longer).
+Rows with no request left are removed (`drop_rows`), so a draining batch shrinks as a
+serving engine's does.
+
+Works on transformers' DynamicCache (`layers[i].keys/values` [B, H, L, D]); a target
+that makes its own cache (`dlite.bench.qwen3`) is refused with a clear error."""
+
+from typing import List, Sequence
+
+import torch
+
+from dlite.decoding.decode import new_cache
+
+
+def _layers(cache) -> list:
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(la, "keys") for la in layers):
+        raise TypeError(f"batched decoding needs a transformers DynamicCache, got {type(cache).__name__}")
+    return layers
+
+
+class RaggedCache:
+    """B rows of one DynamicCache with per-row lengths (`lengths[b]`; 0: an empty row)."""
+
+    def __init__(self, target, rows: int):
+        self.cache, self.lengths = new_cache(target), [0] * rows
+        self._ready = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def length(self) -> int:
+        """L: slots per row (the longest row's length)."""
+        return _layers(self.cache)[0].keys.shape[-2] if self._ready else 0
+
+    def _init_like(self, src) -> None:
+        for mine, theirs in zip(_layers(self.cache), _layers(src)):
+            k, v = theirs.keys, theirs.values
+            shape = (self.rows, k.shape[1], 0, k.shape[3])
+            mine.lazy_initialization(k, v)
+            mine.keys, mine.values = k.new_zeros(shape), v.new_zeros(shape)
+        self._ready = True
+
+    def _grow(self, length: int) -> None:
+        extra = length - self.length
+        if extra <= 0:
+            return
+        for la in _layers(self.cache):
+            pad = la.keys.new_zeros(*la.keys.shape[:2], extra, la.keys.shape[3])
+            la.keys, la.values = torch.cat([la.keys, pad], -2), torch.cat([la.values, pad.clone()], -2)
+
+    def _shrink(self) -> None:
+        keep = max(self.lengths, default=0)
+        if self._ready and keep < self.length:
+            self.cache.crop(keep - self.length)
+
+    def place(self, row: int, src) -> None:
+        """Row `row` := the one-row cache `src` (a prefill's; read, never changed)."""
+        n = _layers(src)[0].keys.shape[-2]
+        if not self._ready:
+            self._init_like(src)
+        self._grow(n)
+        for mine, theirs in zip(_layers(self.cache), _layers(src)):
+            mine.keys[row, :, :n] = theirs.keys[0]
+            mine.values[row, :, :n] = theirs.values[0]
+        self.lengths[row] = n
+        self._shrink()
+
+    def release(self, row: int) -> None:
+        """Row `row` holds no request any more (its slots become padding)."""
+        self.lengths[row] = 0
+        self._shrink()
+
+    def drop_rows(self, keep: Sequence[int]) -> None:
+        """Keep only rows `keep` (in that order): a draining batch gets smaller."""
+        idx = torch.tensor(list(keep), dtype=torch.long)
+        if self._ready:
+            for la in _layers(self.cache):
+                la.keys = la.keys.index_select(0, idx.to(la.keys.device))
+                la.values = la.values.index_select(0, idx.to(la.values.device))
+        self.lengths = [self.lengths[i] for i in keep]
+        self._shrink()
+
+    def positions(self, n: int, device) -> torch.Tensor:
+        """[B, n]: each row's next n positions (row b's block starts at len_b)."""
+        start = torch.tensor(self.lengths, device=device)[:, None]
+        return start + torch.arange(n, device=device)[None]
+
+    def mask(self, n: int, dtype, device) -> torch.Tensor:
+        """Additive [B, 1, n, L + n]: row b's queries see its own len_b slots, then its
+        block causally; padding slots of shorter rows are never seen."""
+        L = self.length
+        k = torch.arange(L + n, device=device)
+        hist = k[None] < torch.tensor(self.lengths, device=device)[:, None]           # [B, L+n]
+        causal = (k[None] - L) <= torch.arange(n, device=device)[:, None]             # [n, L+n]
+        allowed = (hist[:, None] & (k[None, None] < L)) | ((k[None, None] >= L) & causal[None])
+        out = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        return out.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+    def commit(self, n: int, kept: Sequence[int]) -> None:
+        """After a forward of n slots per row at L..L+n-1 (L before it): row b keeps its
+        first kept[b] of them, moved to follow its history; the rest is dropped."""
+        L = self.length - n
+        for la in _layers(self.cache):
+            for b, (start, k) in enumerate(zip(self.lengths, kept)):
+                if k and start != L:
+                    la.keys[b, :, start:start + k] = la.keys[b, :, L:L + k].clone()
+                    la.values[b, :, start:start + k] = la.values[b, :, L:L + k].clone()
+        self.lengths = [s + k for s, k in zip(self.lengths, kept)]
+        self._shrink()
+
+    def row_bytes(self, row: int) -> int:
+        """KV bytes of row `row`'s own entries (its valid slots, every layer)."""
+        per_slot = sum(la.keys[0, :, :1].nbytes + la.values[0, :, :1].nbytes for la in _layers(self.cache))
+        return per_slot * self.lengths[row] if self._ready else 0
+
+    def padding_share(self) -> float:
+        """Share of the cache's slots that are padding (attention work on masked slots)."""
+        total = self.rows * self.length
+        return 1.0 - sum(self.lengths) / total if total else 0.0
