@@ -412,6 +412,7 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
              f"must be > 0 (or null), got {e.num_workers}")
     _check_recipe(cfg)
     _check_eval_methods(e)
+    _check_concurrency(e)
 
 
 def _check_recipe(cfg: DictConfig) -> None:
@@ -441,6 +442,14 @@ def _check_loss(t: DictConfig, pre: str) -> None:
     _require(decay is None or decay > 0, f"train.{pre}loss_decay", f"must be > 0 (or null: no decay), got {decay}")
     _require(t[pre + "ce_labels"] in ("data", "target_argmax"), f"train.{pre}ce_labels",
              f"'data' or 'target_argmax', got {t[pre + 'ce_labels']!r}")
+
+
+def _check_concurrency(e: DictConfig) -> None:
+    """eval.concurrency: positive integers; eval.concurrency_requests: null or >= 1."""
+    _require(all(isinstance(c, int) and c >= 1 for c in e.concurrency), "eval.concurrency",
+             f"must be a list of positive integers, got {list(e.concurrency)}")
+    n = e.concurrency_requests
+    _require(n is None or n >= 1, "eval.concurrency_requests", f"must be >= 1 (or null), got {n}")
 
 
 def _check_eval_methods(e: DictConfig) -> None:

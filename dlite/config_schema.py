@@ -191,6 +191,11 @@ class EvalConfig:
     # 0: the uncalibrated defaults. Saved in the report under "calibration".
     calibration_trajectories: int = 1
     calibration_max_turns: Optional[int] = None  # None: eval.max_turns
+    # Throughput at these concurrencies (closed-loop batched decoding of held-out turns
+    # with min_context..max_context tokens of history, plain batched the same way;
+    # `dlite.decoding.batch`), one worker after the speed replay; [] = off.
+    concurrency: List[int] = field(default_factory=list)
+    concurrency_requests: Optional[int] = None  # turns decoded (None: twice the largest concurrency)
     lookup_gamma: Optional[int] = None  # tokens a training-free method may propose (None: drafter.gamma)
     lookup: LookupConfig = field(default_factory=LookupConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)

@@ -18,14 +18,69 @@ copied into the row's slots (the cache grows to the new row's length if it is lo
 Rows with no request left are removed (`drop_rows`), so a draining batch shrinks as a
 serving engine's does.
 
-Works on transformers' DynamicCache (`layers[i].keys/values` [B, H, L, D]); a target
-that makes its own cache (`dlite.bench.qwen3`) is refused with a clear error."""
+Works on transformers' DynamicCache (`layers[i].keys/values` [B, H, L, D]), whose
+full-attention layers are swapped for `SlackLayer`s: DynamicLayer appends by
+concatenation, which copies the whole cache on every forward (8 rows x 8K tokens of
+SmolLM2 in fp32: 3 GB per decoding step, most of a batched plain step on 2 cores), a
+cost no paged serving engine has and one that would flatter speculation (fewer
+forwards). A target that makes its own cache (`dlite.bench.qwen3`) or has sliding-window
+layers is refused with a clear error."""
 
 from typing import List, Sequence
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from dlite.decoding.decode import new_cache
+
+SLACK = 64  # spare slots per reallocation beyond 1.25x: a round appends gamma + 1
+
+
+class SlackLayer(DynamicLayer):
+    """A DynamicLayer whose keys / values are views of buffers with spare room, so a
+    forward writes its new slots in place. Anything that replaces the tensors (a crop is
+    a view and keeps the buffer; a row gather or growth does not) is adopted into a new
+    buffer at the next update: one copy then, none per forward."""
+
+    _kbuf = _vbuf = None
+
+    def _owns(self, need: int) -> bool:
+        k, kb = self.keys, self._kbuf
+        return (kb is not None and k.data_ptr() == kb.data_ptr() and k.shape[0] == kb.shape[0]
+                and need <= kb.shape[-2])
+
+    def _adopt(self, need: int) -> None:
+        k, v, n = self.keys, self.values, self.keys.shape[-2]
+        cap = max(need + SLACK, int(need * 1.25))
+        self._kbuf = k.new_empty(*k.shape[:2], cap, k.shape[3])
+        self._vbuf = v.new_empty(*v.shape[:2], cap, v.shape[3])
+        self._kbuf[..., :n, :], self._vbuf[..., :n, :] = k, v
+        self.keys, self.values = self._kbuf[..., :n, :], self._vbuf[..., :n, :]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized or self.keys.dim() != 4:
+            self.lazy_initialization(key_states, value_states)
+            shape = (*key_states.shape[:2], 0, key_states.shape[3])
+            self.keys, self.values = key_states.new_zeros(shape), value_states.new_zeros(shape)
+        n, m = self.keys.shape[-2], key_states.shape[-2]
+        if not self._owns(n + m):
+            self._adopt(n + m)
+        self._kbuf[..., n:n + m, :], self._vbuf[..., n:n + m, :] = key_states, value_states
+        self.keys, self.values = self._kbuf[..., :n + m, :], self._vbuf[..., :n + m, :]
+        return self.keys, self.values
+
+
+def _slack_cache(target):
+    """An empty DynamicCache of `SlackLayer`s (full-attention layers only)."""
+    cache = new_cache(target)
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(type(la) is not DynamicLayer for la in layers):
+        kinds = sorted({type(la).__name__ for la in layers or []}) or [type(cache).__name__]
+        raise TypeError(f"batched decoding needs a DynamicCache of full-attention layers, got {kinds}")
+    cache.layers = [SlackLayer() for _ in layers]
+    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:  # layers made on first use
+        cache.layer_class_to_replicate = SlackLayer
+    return cache
 
 
 def _layers(cache) -> list:
@@ -39,7 +94,7 @@ class RaggedCache:
     """B rows of one DynamicCache with per-row lengths (`lengths[b]`; 0: an empty row)."""
 
     def __init__(self, target, rows: int):
-        self.cache, self.lengths = new_cache(target), [0] * rows
+        self.cache, self.lengths = _slack_cache(target), [0] * rows
         self._ready = False
 
     @property

@@ -120,7 +120,7 @@ def by_concurrency_plot(methods: Dict[str, Dict[str, dict]], key: str, ylabel: s
     ax = fig.add_subplot()
     for name in methods:
         pts = sorted((int(c), _nan(r.get(key))) for c, r in methods[name].items() if key in r)
-        if pts:
+        if any(not math.isnan(y) for _, y in pts):  # plain has no speedup over itself
             ax.plot(*zip(*pts), marker="o", label=name)
     if not ax.lines:
         raise ValueError(f"plot: no method reports `{key}`")

@@ -15,7 +15,9 @@ prompts.
               speculative interleaved per prompt so machine noise cancels
               -> speedup_vs_ar, tokens/s, time split
 Before both, the choose / tree hybrids' calibration is fitted on validation turns
-(`pipelines.stages.evaluate_calibration`) and reported as `calibration`.
+(`pipelines.stages.evaluate_calibration`) and reported as `calibration`. After them,
+with `eval.concurrency`, throughput at those concurrencies on one worker
+(`pipelines.stages.evaluate_throughput`), reported as `throughput` with two plots.
 
 Report (ARCHITECTURE.md §3): `{"methods": {name: report}, "primary": name, <the
 primary method's metrics at top level>, "plain", "config", "env"}`; each method's
@@ -195,6 +197,11 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     timer = ray.remote(num_cpus=1, num_gpus=gpus)(_timed_replay)
     speed, timing = ray.get(timer.remote(conf, drafters, records[:cfg.eval.speed_trajectories], temps,
                                          cfg.eval.threads, calibration))
+    throughput = None
+    if cfg.eval.concurrency:  # alone on one worker, as the speed replay
+        from pipelines.stages.evaluate_throughput import stage_throughput
+        worker = ray.remote(num_cpus=1, num_gpus=gpus)(stage_throughput)
+        throughput = ray.get(worker.remote(conf, drafters, records, cfg.eval.threads, calibration))
     names = [*drafters, *ctx, *cfg.eval.baselines, *cfg.eval.hybrids]  # as `method_builders` orders them
     methods = {name: {**_method_report(cfg, name, parts, speed, temps), "drafter": drafters.get(name)}
                for name in names}
@@ -210,7 +217,7 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
             "timing": {**timing, "plain_tokens_per_s": methods[primary]["tokens_per_s"]["plain"],
                        "pairs": methods[primary]["speedup_vs_ar_spread"]["n_pairs"]},
             "n_trajectories": len(records), "heldout": heldout, "target_fingerprint": tgt.fingerprint(cfg.target),
-            "calibration": calibration,
+            "calibration": calibration, **({"throughput": throughput} if throughput else {}),
             "config": conf, "env": env_info()}
 
 
@@ -262,6 +269,9 @@ def metric_items(report: dict) -> dict:
             out.update({f"{pre}.branch_tau_alone.{src}": f["tau_alone"] for src, f in (r.get("branches") or {}).items()})
         out[f"{name}.lossless"] = float(bool(m["lossless"]))
         out[f"{name}.lossless_up_to_ties"] = float(bool(m.get("lossless_up_to_ties", m["lossless"])))
+    if report.get("throughput"):
+        from pipelines.stages.evaluate_throughput import metric_items as throughput_items
+        out.update(throughput_items(report["throughput"], "throughput."))
     for k in ("loadavg_1m_before", "loadavg_1m_after", "plain_tokens_per_s", "torch_threads"):
         if (report.get("timing") or {}).get(k) is not None:  # the conditions the speed was timed in
             out[f"timing.{k}"] = float(report["timing"][k])
@@ -287,6 +297,9 @@ def evaluate_stage(cfg, drafters: Dict[str, str], output, parent_run_id=None) ->
         (stage / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         pngs = [plots.accept_at_k_plot(report["methods"], out / "accept_at_k.png"),
                 plots.tau_by_bucket_plot(report["methods"], out / "tau_by_bucket.png")]
+        if report.get("throughput"):
+            from pipelines.stages.evaluate_throughput import plots as throughput_plots
+            pngs += throughput_plots(report["throughput"], out / "throughput")
         tracking.log_metrics(uri, run_id, 0, metric_items(report))
         for f in [stage / REPORT, *pngs]:
             tracking.log_artifact(uri, run_id, f, "evaluation")

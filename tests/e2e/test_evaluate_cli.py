@@ -44,6 +44,7 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
                         "eval.n_trajectories=2", "eval.max_turns=3", "eval.max_new_tokens=24",
                         "eval.temperatures=[0.0,1.0]", "eval.speed_trajectories=1",
                         "eval.baselines=[prompt_lookup,suffix]", "eval.hybrids=[hybrid_suffix]",
+                        "eval.concurrency=[1,3]", "eval.concurrency_requests=5",
                         f"tracking.uri={mlflow_server}", "tracking.experiment=evaluate-cli"],
                        cwd=repo_root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -73,6 +74,19 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
     assert rep["speedup_vs_ar_lower"] == spread["lower_bound"] and rep["timing"]["pairs"] == 3
     assert rep["timing"]["plain_tokens_per_s"] > 0 and rep["timing"]["cpu_count"] >= 1
     assert (out.parent / "report-accept_at_k.png").read_bytes()[:4] == b"\x89PNG"
+    # eval.concurrency: every method batched at 1 and 3 concurrent requests, closed loop
+    tp = rep["throughput"]
+    assert list(tp["methods"]) == ["plain", "dlite", "baseline", "prompt_lookup", "suffix", "hybrid_suffix"]
+    assert tp["requests"]["n"] == 5 and tp["skipped_methods"] == []
+    for name, by in tp["methods"].items():
+        assert set(by) == {"1", "3"}
+        for c, row in by.items():
+            assert row["lossless"] is True and row["requests"] == 5 and row["output_tokens_per_s"] > 0
+            assert row["rows_per_step"] <= int(c) and (name == "plain" or row["speedup_vs_plain"] > 0)
+    assert tp["methods"]["plain"]["1"]["tau"] == 1.0
+    assert tp["goals"]["primary_drafter_bytes_zero"] is True  # DLite: no state per request
+    assert all(r["drafter_bytes_per_request"] > 0 for r in tp["methods"]["baseline"].values())  # DSpark's cache
+    assert (out.parent / "report-throughput-speedup.png").read_bytes()[:4] == b"\x89PNG"
 
     from mlflow import MlflowClient
     c = MlflowClient(mlflow_server)
@@ -83,5 +97,6 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
     assert "baseline.t1.accept_at_k.1" in run.data.metrics
     assert run.data.metrics["suffix.greedy.tau"] == pytest.approx(rep["methods"]["suffix"]["tau"])
     assert run.data.metrics["hybrid_suffix.lossless"] == 1.0
+    assert run.data.metrics["throughput.dlite.c3.tau"] == pytest.approx(tp["methods"]["dlite"]["3"]["tau"])
     arts = {a.path for a in c.list_artifacts(run.info.run_id, "evaluation")}
     assert {"evaluation/report.json", "evaluation/accept_at_k.png", "evaluation/tau_by_bucket.png"} <= arts

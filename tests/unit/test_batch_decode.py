@@ -184,3 +184,24 @@ def test_a_ragged_cache_that_forgets_to_move_kept_slots_breaks_losslessness(targ
     res = batched_generate(target, MAKERS["half_right"](target), _requests(target, prompts, history=True),
                            3, MAX_NEW)
     assert any(r["tokens"] != ref for r, ref in zip(res["requests"], reference))
+
+
+def test_rounds_write_the_cache_in_place(target, prompts):
+    """No copy of the whole cache per forward: across rounds (appends, crops, moves) every
+    layer keeps its buffer; a row gather adopts a new one once."""
+    rc = RaggedCache(target, 3)
+    with torch.inference_mode():
+        for row, p in enumerate(prompts[:3]):
+            rc.place(row, prefill(target, p).cache)
+        ptrs = None
+        for step in range(6):
+            target_forward(target, torch.full((3, 5), 7), 0, rc.cache, position_ids=rc.positions(5, "cpu"),
+                           attention_mask=rc.mask(5, torch.float32, "cpu"))
+            rc.commit(5, [1 + step % 3, 5, 2])
+            now = [la._kbuf.data_ptr() for la in rc.cache.layers]
+            assert ptrs is None or now == ptrs
+            ptrs = now
+        rc.drop_rows([0, 2])
+        target_forward(target, torch.full((2, 1), 7), 0, rc.cache, position_ids=rc.positions(1, "cpu"),
+                       attention_mask=rc.mask(1, torch.float32, "cpu"))
+        assert all(la._kbuf.shape[0] == 2 for la in rc.cache.layers)
