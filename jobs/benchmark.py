@@ -225,6 +225,8 @@ def main(argv=None) -> int:
                        help="throughput: held-out turns to decode (default: twice the largest concurrency)")
         p.add_argument("--min-context", type=int, default=1024, help="throughput: shortest history (tokens)")
         p.add_argument("--max-context", type=int, default=8192, help="throughput: longest history (tokens)")
+        p.add_argument("--repeats", type=int, default=1,
+                       help="throughput: runs of every method per concurrency, interleaved (medians and spread)")
 
     name, (args, cfg) = argv[0], parse_args(argv[1:], extra)
     if args.dry_run:

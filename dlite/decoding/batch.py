@@ -43,6 +43,8 @@ from dlite.decoding.ragged import RaggedCache
 from dlite.decoding.replay import drafter_for
 from dlite.decoding.verify import sample_token, verify_block
 
+RESERVE_BLOCK = 64  # cache slots per row beyond prompt + new tokens: one round's block
+
 
 @dataclasses.dataclass
 class Request:
@@ -87,7 +89,8 @@ class _Loop:
         self.sampling, self.seed, self.dev = sampling, seed, _device(target)
         self.layers, self.history = _layers_needed(drafter, requests)
         self.queue = collections.deque(enumerate(requests))
-        self.cache = RaggedCache(target, min(concurrency, len(requests)))
+        longest = max(len(r.prompt_ids) for r in requests)
+        self.cache = RaggedCache(target, min(concurrency, len(requests)), reserve=longest + max_new + RESERVE_BLOCK)
         self.rows: List[Optional[_Row]] = [None] * self.cache.rows
         self.done: Dict[int, dict] = {}
         self.steps: List[dict] = []
@@ -114,8 +117,12 @@ class _Loop:
         self.cache.release(b)
 
     def _finish(self, b: int, row: _Row) -> None:
-        if row.drafter is not None and hasattr(row.drafter, "finish"):
-            row.drafter.finish(row.state, row.out)
+        # a row's cache and its drafter's state only grow: their peaks are their sizes now
+        row.kv_peak = self.cache.row_bytes(b)
+        if row.drafter is not None:
+            row.drafter_peak = int(row.drafter.cache_bytes(row.state))
+            if hasattr(row.drafter, "finish"):
+                row.drafter.finish(row.state, row.out)
         self.done[row.index] = dict(
             id=row.request.id, index=row.index, tokens=row.out, rounds=row.rounds,
             context_len=len(row.request.prompt_ids), prefill_ms=row.request.prefill.ms,
@@ -169,12 +176,10 @@ class _Loop:
         feats = cap.row_features() if self.layers else None
         kept = self._verify(drafts, logits, feats)
         self.cache.commit(n, kept)
-        self._account()
-        self.steps.append(dict(rows=sum(r is not None for r in self.rows), n=n,
-                               draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3,
-                               other_ms=(time.perf_counter() - t2) * 1e3,
-                               padding_share=self.cache.padding_share()))
-        self._refill()
+        step = dict(rows=sum(r is not None for r in self.rows), n=n, draft_ms=(t1 - t0) * 1e3,
+                    verify_ms=(t2 - t1) * 1e3, other_ms=(time.perf_counter() - t2) * 1e3,
+                    padding_share=self.cache.padding_share())
+        self.steps.append({**step, **self._refill()})
 
     def _verify(self, drafts, logits, feats) -> List[int]:
         """Per row: the rule on its own logits; returns the cache slots each row keeps."""
@@ -200,23 +205,23 @@ class _Loop:
             kept.append(a + 1)
         return kept
 
-    def _account(self) -> None:
-        for b, row in enumerate(self.rows):
-            if row is not None:
-                row.kv_peak = max(row.kv_peak, self.cache.row_bytes(b))
-                if row.drafter is not None:
-                    row.drafter_peak = max(row.drafter_peak, int(row.drafter.cache_bytes(row.state)))
-
-    def _refill(self) -> None:
+    def _refill(self) -> dict:
+        """Finished rows take the next requests; once the queue is empty, empty rows are
+        dropped. Returns the time each took (ms): placing prefills, and the drain."""
+        t0 = time.perf_counter()
         for b, row in enumerate(self.rows):
             if row is not None and row.rounds and row.rounds[-1]["finished"]:
                 self._finish(b, row)
                 self.rows[b] = None
                 self._start(b)
+        t1 = time.perf_counter()
         if not self.queue and any(r is None for r in self.rows):
-            keep = [b for b, r in enumerate(self.rows) if r is not None]
+            live = [b for b, r in enumerate(self.rows) if r is not None]
+            movers = iter(b for b in live if b >= len(live))  # the last rows fill the holes
+            keep = [b if self.rows[b] is not None else next(movers) for b in range(len(live))]
             self.cache.drop_rows(keep)
             self.rows = [self.rows[b] for b in keep]
+        return dict(place_ms=(t1 - t0) * 1e3, drop_ms=(time.perf_counter() - t1) * 1e3)
 
 
 @torch.inference_mode()

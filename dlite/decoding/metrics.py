@@ -83,9 +83,28 @@ def tokens_per_s(n_tokens: int, ms: float) -> Optional[float]:
     return n_tokens / (ms / 1e3) if ms > 0 else None
 
 
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """a / b; None when either is missing or b is 0."""
+    return a / b if a is not None and b else None
+
+
 def speedup_vs_ar(spec_tps: Optional[float], plain_tps: Optional[float]) -> Optional[float]:
     """Speculative tokens/s over plain tokens/s (same target, prompts and run)."""
-    return spec_tps / plain_tps if spec_tps and plain_tps else None
+    return ratio(spec_tps, plain_tps) if spec_tps else None
+
+
+def mean_of(xs) -> Optional[float]:
+    """The mean of an iterable; None when it is empty."""
+    xs = list(xs)
+    return statistics.fmean(xs) if xs else None
+
+
+def percentile(xs: Sequence[float], q: float) -> Optional[float]:
+    """The nearest-rank q-quantile (q in 0..1) of xs; None when empty."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 # Resamples and seed of the speedup's bootstrap: fixed, so one set of pairs always gives

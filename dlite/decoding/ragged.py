@@ -37,36 +37,61 @@ SLACK = 64  # spare slots per reallocation beyond 1.25x: a round appends gamma +
 
 
 class SlackLayer(DynamicLayer):
-    """A DynamicLayer whose keys / values are views of buffers with spare room, so a
-    forward writes its new slots in place. Anything that replaces the tensors (a crop is
-    a view and keeps the buffer; a row gather or growth does not) is adopted into a new
-    buffer at the next update: one copy then, none per forward."""
+    """A DynamicLayer whose keys / values are views of buffers with spare room (rows and
+    slots), so a forward writes its new slots in place, a cut is a view, and dropping
+    the last rows is a view. Anything that replaces the tensors (a gather, growth past
+    the room) is adopted into a new buffer at the next update: one copy then, none per
+    forward. Slots a view newly exposes are zeroed (`widen`): padding must be finite,
+    masked or not, or a masked score of NaN would poison the softmax."""
 
     _kbuf = _vbuf = None
 
-    def _owns(self, need: int) -> bool:
+    def _owns(self, rows: int, need: int) -> bool:
         k, kb = self.keys, self._kbuf
-        return (kb is not None and k.data_ptr() == kb.data_ptr() and k.shape[0] == kb.shape[0]
-                and need <= kb.shape[-2])
+        return kb is not None and k.data_ptr() == kb.data_ptr() and rows <= kb.shape[0] and need <= kb.shape[-2]
 
-    def _adopt(self, need: int) -> None:
+    def _adopt(self, need: int, cap: int = 0) -> None:
         k, v, n = self.keys, self.values, self.keys.shape[-2]
-        cap = max(need + SLACK, int(need * 1.25))
+        cap = max(cap, need) if cap else max(need + SLACK, int(need * 1.25))
         self._kbuf = k.new_empty(*k.shape[:2], cap, k.shape[3])
         self._vbuf = v.new_empty(*v.shape[:2], cap, v.shape[3])
         self._kbuf[..., :n, :], self._vbuf[..., :n, :] = k, v
-        self.keys, self.values = self._kbuf[..., :n, :], self._vbuf[..., :n, :]
+        self._view(k.shape[0], n)
+
+    def _view(self, rows: int, n: int) -> None:
+        self.keys, self.values = self._kbuf[:rows, :, :n], self._vbuf[:rows, :, :n]
+
+    def reserve(self, cap: int) -> None:
+        """Room for `cap` slots per row from now on (one allocation, no copy later)."""
+        if not self._owns(self.keys.shape[0], cap):
+            self._adopt(cap, cap)
+
+    def widen(self, length: int) -> None:
+        """`length` slots per row; the new ones zeroed (padding)."""
+        rows, n = self.keys.shape[0], self.keys.shape[-2]
+        if not self._owns(rows, length):
+            self._adopt(length)
+        self._kbuf[:rows, :, n:length].zero_()
+        self._vbuf[:rows, :, n:length].zero_()
+        self._view(rows, length)
+
+    def first_rows(self, rows: int) -> None:
+        """Keep rows 0..rows-1 (a view when the buffer is ours)."""
+        if self._owns(self.keys.shape[0], self.keys.shape[-2]):
+            self._view(rows, self.keys.shape[-2])
+        else:
+            self.keys, self.values = self.keys[:rows], self.values[:rows]
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized or self.keys.dim() != 4:
             self.lazy_initialization(key_states, value_states)
             shape = (*key_states.shape[:2], 0, key_states.shape[3])
             self.keys, self.values = key_states.new_zeros(shape), value_states.new_zeros(shape)
-        n, m = self.keys.shape[-2], key_states.shape[-2]
-        if not self._owns(n + m):
+        rows, n, m = key_states.shape[0], self.keys.shape[-2], key_states.shape[-2]
+        if not self._owns(rows, n + m):
             self._adopt(n + m)
-        self._kbuf[..., n:n + m, :], self._vbuf[..., n:n + m, :] = key_states, value_states
-        self.keys, self.values = self._kbuf[..., :n + m, :], self._vbuf[..., :n + m, :]
+        self._kbuf[:rows, :, n:n + m], self._vbuf[:rows, :, n:n + m] = key_states, value_states
+        self._view(rows, n + m)
         return self.keys, self.values
 
 
@@ -93,9 +118,11 @@ def _layers(cache) -> list:
 class RaggedCache:
     """B rows of one DynamicCache with per-row lengths (`lengths[b]`; 0: an empty row)."""
 
-    def __init__(self, target, rows: int):
+    def __init__(self, target, rows: int, reserve: int = 0):
+        """`reserve`: slots per row to allocate at once (the longest prompt + new tokens
+        + a block), so the cache never reallocates (a reallocation copies every row)."""
         self.cache, self.lengths = _slack_cache(target), [0] * rows
-        self._ready = False
+        self.reserve, self.per_slot, self._ready = reserve, 0, False
 
     @property
     def rows(self) -> int:
@@ -112,15 +139,14 @@ class RaggedCache:
             shape = (self.rows, k.shape[1], 0, k.shape[3])
             mine.lazy_initialization(k, v)
             mine.keys, mine.values = k.new_zeros(shape), v.new_zeros(shape)
+            mine.reserve(max(self.reserve, k.shape[-2]))
+            self.per_slot += k[0, :, :1].nbytes + v[0, :, :1].nbytes
         self._ready = True
 
     def _grow(self, length: int) -> None:
-        extra = length - self.length
-        if extra <= 0:
-            return
-        for la in _layers(self.cache):
-            pad = la.keys.new_zeros(*la.keys.shape[:2], extra, la.keys.shape[3])
-            la.keys, la.values = torch.cat([la.keys, pad], -2), torch.cat([la.values, pad.clone()], -2)
+        if length > self.length:
+            for la in _layers(self.cache):
+                la.widen(length)
 
     def _shrink(self) -> None:
         keep = max(self.lengths, default=0)
@@ -145,12 +171,26 @@ class RaggedCache:
         self._shrink()
 
     def drop_rows(self, keep: Sequence[int]) -> None:
-        """Keep only rows `keep` (in that order): a draining batch gets smaller."""
-        idx = torch.tensor(list(keep), dtype=torch.long)
+        """Keep only rows `keep`, row j := old row keep[j]: a draining batch gets smaller.
+        In place: each moved row copies its own valid slots, then the batch is cut to
+        len(keep) rows (a view). Callers pass keep[j] == j wherever they can (fill the
+        holes with the last rows), so a drop moves one row per hole, not the cache; the
+        old way (a gather of every row, then a copy into a new buffer) moved the whole
+        cache twice on every drop, most of a draining batch's time at 16 rows."""
+        keep = list(keep)
+        moves = [(j, src) for j, src in enumerate(keep) if src != j]
+        if self._ready and moves:
+            for la in _layers(self.cache):
+                # a source that is also a destination is read before anything is written
+                saved = {src: (la.keys[src, :, :self.lengths[src]].clone(), la.values[src, :, :self.lengths[src]].clone())
+                         for _, src in moves if src < len(keep)}
+                for j, src in moves:
+                    n = self.lengths[src]
+                    k, v = saved.get(src) or (la.keys[src, :, :n], la.values[src, :, :n])
+                    la.keys[j, :, :n], la.values[j, :, :n] = k, v
         if self._ready:
             for la in _layers(self.cache):
-                la.keys = la.keys.index_select(0, idx.to(la.keys.device))
-                la.values = la.values.index_select(0, idx.to(la.values.device))
+                la.first_rows(len(keep))
         self.lengths = [self.lengths[i] for i in keep]
         self._shrink()
 
@@ -184,8 +224,7 @@ class RaggedCache:
 
     def row_bytes(self, row: int) -> int:
         """KV bytes of row `row`'s own entries (its valid slots, every layer)."""
-        per_slot = sum(la.keys[0, :, :1].nbytes + la.values[0, :, :1].nbytes for la in _layers(self.cache))
-        return per_slot * self.lengths[row] if self._ready else 0
+        return self.per_slot * self.lengths[row]
 
     def padding_share(self) -> float:
         """Share of the cache's slots that are padding (attention work on masked slots)."""

@@ -46,15 +46,8 @@ def check_prompts(cfg, tok, n: int = CHECK_PROMPTS) -> list:
     """n held-out prompts for the loop check: every turn of the held-out trajectories up
     to CHECK_MAX_CONTEXT tokens (three prefills each, on 2 cores), spread over them; more
     held-out trajectories than the evaluation's when its own hold fewer such turns."""
-    from dlite.decoding.replay import iter_tasks, pick_turns
-    from pipelines.stages.evaluate import heldout_records
-    for k in (cfg.eval.n_trajectories, 8, 16, 32):
-        more = OmegaConf.merge(cfg, {"eval": {"n_trajectories": max(k, cfg.eval.n_trajectories)}})
-        prompts = [t["prompt_ids"] for r in heldout_records(more)
-                   for t in iter_tasks(tok, r, None, "context", (0, CHECK_MAX_CONTEXT))]
-        if len(prompts) >= n:
-            break
-    return [prompts[k] for k in pick_turns(len(prompts), n, "spread")]
+    from pipelines.stages.evaluate_throughput import heldout_turns
+    return heldout_turns(cfg, tok, n, 0, CHECK_MAX_CONTEXT, reads=(8, 16, 32))
 
 
 def loop_check(cfg, export: Path, n: int) -> dict:

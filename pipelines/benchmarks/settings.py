@@ -38,4 +38,6 @@ def _heldout(e) -> dict:
 
 def ratio(a, b):
     """a / b rounded, None when either is missing."""
-    return None if a is None or not b else round(a / b, 4)
+    from dlite.decoding.metrics import ratio as exact
+    r = exact(a, b)
+    return None if r is None else round(r, 4)

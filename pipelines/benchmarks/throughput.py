@@ -4,7 +4,7 @@ same way (`pipelines.stages.evaluate_throughput`, measured by `dlite.bench.throu
 
     python -m jobs.benchmark throughput --config configs/experiments/smollm2.yaml --out F
         --concurrency 1,2,4,8,16 [--drafter NAME=DIR ...] [--requests N]
-        [--min-context 1024] [--max-context 8192] [key=value ...]
+        [--min-context 1024] [--max-context 8192] [--repeats 1] [key=value ...]
 
 Drafters: --drafter NAME=DIR (repeatable; default: this config's finished align stage,
 and its dspark stage when finished). Methods: those, `eval.baselines` and the choose
@@ -22,8 +22,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-MAX_READ = (8, 16, 32, 64)  # held-out trajectories to read until enough turns are found
-
 
 def _drafters(cfg, specs) -> dict:
     """{name: dir}: --drafter NAME=DIR, else the finished align (and dspark) stages."""
@@ -40,14 +38,8 @@ def _drafters(cfg, specs) -> dict:
 
 def pick_prompts(cfg, tok, n: int, lo: int, hi: int) -> list:
     """n turns with lo..hi tokens of history, reading more held-out trajectories if needed."""
-    from pipelines.stages.evaluate import heldout_records
-    from pipelines.stages.evaluate_throughput import turn_prompts
-    prompts = []
-    for k in (cfg.eval.n_trajectories, *MAX_READ):
-        more = OmegaConf.merge(cfg, {"eval": {"n_trajectories": max(k, cfg.eval.n_trajectories)}})
-        prompts = turn_prompts(tok, heldout_records(more), n, lo, hi)
-        if len(prompts) >= n:
-            break
+    from pipelines.stages.evaluate_throughput import heldout_turns
+    prompts = heldout_turns(cfg, tok, n, lo, hi)
     if not prompts:
         raise SystemExit(f"throughput: no held-out turn has a history of {lo}..{hi} tokens")
     return prompts
@@ -61,10 +53,13 @@ def run(cfg, args) -> dict:
     conc = sorted({int(c) for c in str(args.concurrency).split(",") if c.strip()})
     if not conc or conc[0] < 1:
         raise SystemExit(f"throughput: --concurrency needs positive integers, got {args.concurrency!r}")
+    if args.repeats < 1:
+        raise SystemExit(f"throughput: --repeats needs a positive integer, got {args.repeats}")
     drafters = _drafters(cfg, args.drafter)
     model, tok, learned, vocab = _load(cfg, drafters, int(cfg.eval.threads))
     prompts = pick_prompts(cfg, tok, args.requests or 2 * conc[-1], args.min_context, args.max_context)
-    report = {**throughput_report(cfg, model, tok, learned, vocab, prompts, conc), "drafters": drafters,
+    report = {**throughput_report(cfg, model, tok, learned, vocab, prompts, conc, repeats=args.repeats),
+              "drafters": drafters,
               "seconds": round(time.time() - t0, 1),
               "config": OmegaConf.to_container(cfg, resolve=True), "env": env_info()}
     report["mlflow_run"] = _publish(cfg, report, Path(args.out))

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 from omegaconf import OmegaConf
 
 SKIPPED = "skipped_methods"
+HELDOUT_READS = (8, 16, 32, 64)  # held-out trajectories to read until enough turns are found
 
 
 def turn_prompts(tok, records: list, n: int, lo: int, hi: Optional[int]) -> List[List[int]]:
@@ -23,6 +24,20 @@ def turn_prompts(tok, records: list, n: int, lo: int, hi: Optional[int]) -> List
     from dlite.decoding.replay import iter_tasks, pick_turns
     prompts = [t["prompt_ids"] for r in records for t in iter_tasks(tok, r, None, "context", (lo, hi))]
     return [prompts[k] for k in pick_turns(len(prompts), n, "spread")]
+
+
+def heldout_turns(cfg, tok, n: int, lo: int, hi: Optional[int], reads=HELDOUT_READS) -> List[List[int]]:
+    """Up to n prompts of held-out turns with lo..hi tokens of history (`turn_prompts`),
+    reading more held-out trajectories than the evaluation's (`reads`, in turn) when its
+    own hold fewer such turns."""
+    from pipelines.stages.evaluate import heldout_records
+    prompts: List[List[int]] = []
+    for k in (cfg.eval.n_trajectories, *reads):
+        more = OmegaConf.merge(cfg, {"eval": {"n_trajectories": max(k, cfg.eval.n_trajectories)}})
+        prompts = turn_prompts(tok, heldout_records(more), n, lo, hi)
+        if len(prompts) >= n:
+            break
+    return prompts
 
 
 def batched_methods(ev, learned: dict, vocab: int, calibration: Optional[dict] = None) -> tuple:
@@ -36,7 +51,7 @@ def batched_methods(ev, learned: dict, vocab: int, calibration: Optional[dict] =
 
 def throughput_report(cfg, model, tok, learned: dict, vocab: int, prompts: List[List[int]],
                       concurrency: List[int], calibration: Optional[dict] = None,
-                      log=lambda s: print(s, flush=True)) -> dict:
+                      log=lambda s: print(s, flush=True), repeats: int = 1) -> dict:
     """Every method at every concurrency on `prompts` (see the module docstring)."""
     import torch
     from dlite.bench import throughput as tp
@@ -55,7 +70,7 @@ def throughput_report(cfg, model, tok, learned: dict, vocab: int, prompts: List[
         f"of history, {max_new} new tokens each, concurrency {concurrency}; methods {['plain', *builders]}")
     reference = tp.reference_outputs(model, requests, max_new, eos)
     t1 = time.time()
-    rows = tp.measure(model, builders, requests, concurrency, max_new, eos, reference, log)
+    rows = tp.measure(model, builders, requests, concurrency, max_new, eos, reference, log, repeats)
     primary = next(iter(learned), None)
     hist = next((n for n, d in learned.items() if d.needs_history), None)
     return {"methods": rows, "concurrency": list(concurrency), "primary": primary, "history_drafter": hist,
@@ -64,7 +79,8 @@ def throughput_report(cfg, model, tok, learned: dict, vocab: int, prompts: List[
                          "prefill_ms": [round(r.prefill.ms, 1) for r in requests], "max_new_tokens": max_new},
             "calibration": "fitted on validation turns" if calibration else "defaults (not fitted)",
             "kv_bytes_per_token": tp.kv_bytes_per_token(model.config, next(model.parameters()).element_size()),
-            "threads": torch.get_num_threads(), "seconds_prefill_and_reference": round(t1 - t0, 1),
+            "repeats": repeats, "threads": torch.get_num_threads(),
+            "seconds_prefill_and_reference": round(t1 - t0, 1),
             "seconds_measuring": round(time.time() - t1, 1)}
 
 

@@ -188,7 +188,7 @@ def test_a_ragged_cache_that_forgets_to_move_kept_slots_breaks_losslessness(targ
 
 def test_rounds_write_the_cache_in_place(target, prompts):
     """No copy of the whole cache per forward: across rounds (appends, crops, moves) every
-    layer keeps its buffer; a row gather adopts a new one once."""
+    layer keeps its buffer, and dropping rows moves the last rows into the holes."""
     rc = RaggedCache(target, 3)
     with torch.inference_mode():
         for row, p in enumerate(prompts[:3]):
@@ -201,7 +201,25 @@ def test_rounds_write_the_cache_in_place(target, prompts):
             now = [la._kbuf.data_ptr() for la in rc.cache.layers]
             assert ptrs is None or now == ptrs
             ptrs = now
+        row2 = [la.keys[2, :, :rc.lengths[2]].clone() for la in rc.cache.layers]
         rc.drop_rows([0, 2])
         target_forward(target, torch.full((2, 1), 7), 0, rc.cache, position_ids=rc.positions(1, "cpu"),
                        attention_mask=rc.mask(1, torch.float32, "cpu"))
-        assert all(la._kbuf.shape[0] == 2 for la in rc.cache.layers)
+        assert [la._kbuf.data_ptr() for la in rc.cache.layers] == ptrs  # a drop is a move + a view
+        assert all(la.keys.shape[0] == 2 for la in rc.cache.layers)
+        assert all(torch.equal(la.keys[1, :, :k.shape[1]], k) for la, k in zip(rc.cache.layers, row2))
+
+
+def test_drop_rows_reads_every_source_before_writing(target, prompts):
+    """A keep order whose sources are also destinations (row 0 := row 2, row 1 := row 0)
+    still gives every kept row its own entries and length."""
+    rc = RaggedCache(target, 3)
+    with torch.inference_mode():
+        for row, p in enumerate(prompts[:3]):
+            rc.place(row, prefill(target, p).cache)
+        before = [[la.keys[b, :, :rc.lengths[b]].clone() for la in rc.cache.layers] for b in range(3)]
+        lengths = list(rc.lengths)
+        rc.drop_rows([2, 0])
+    assert rc.lengths == [lengths[2], lengths[0]]
+    for j, src in enumerate([2, 0]):
+        assert all(torch.equal(la.keys[j, :, :rc.lengths[j]], k) for la, k in zip(rc.cache.layers, before[src]))
