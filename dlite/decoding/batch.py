@@ -7,9 +7,10 @@ speculation).
 
 One round:
 1. draft: a drafter with `draft_rows` (DLite: history-free, so the B rows are just B
-   anchors and features) drafts every row sharing it in one pass; any other drafter
-   (DSpark-style with its per-request history cache, prompt lookup, SuffixDecoding,
-   the choose hybrids) drafts row by row with its own per-request state;
+   anchors and features) drafts every row sharing it in one pass, as does one with
+   `draft_history_rows` (DSpark-style: each row's own history cache, extended by its
+   newly verified positions); any other drafter (prompt lookup, SuffixDecoding, the
+   choose hybrids) drafts row by row with its own per-request state;
 2. verify: the blocks [anchor, drafts] padded to the longest (n tokens), at each row's
    own positions, under a mask that hides other rows' padding; the verification rule
    (`verify_block`) per row on its own logits, so ragged acceptance is per row;
@@ -132,23 +133,29 @@ class _Loop:
     def _draft(self) -> List[tuple]:
         """(tokens [n_b], probs) per row (empty rows: nothing)."""
         T, out = self.sampling["temperature"], [None] * len(self.rows)
-        groups: Dict[int, List[int]] = {}
+        groups: Dict[tuple, List[int]] = {}
         for b, row in enumerate(self.rows):
             if row is None or row.drafter is None:
                 out[b] = (torch.empty(0, dtype=torch.long), None)
-            elif hasattr(row.drafter, "draft_rows"):
-                groups.setdefault(id(row.drafter), []).append(b)
+            elif hasattr(row.drafter, "draft_rows") or hasattr(row.drafter, "draft_history_rows"):
+                groups.setdefault((id(row.drafter), hasattr(row.drafter, "draft_rows")), []).append(b)
             else:
                 tok, q, row.state = row.drafter.draft(row.state, row.feats, row.anchor,
                                                       self.cache.lengths[b], T, row.generator)
                 out[b] = (tok.reshape(-1), q)
-        for bs in groups.values():
-            first = self.rows[bs[0]]
-            feats = torch.cat([self.rows[b].feats[-1:] for b in bs])
-            drafts = first.drafter.draft_rows(feats, [self.rows[b].anchor for b in bs],
-                                              [self.cache.lengths[b] for b in bs], T, first.generator)
-            for b, d in zip(bs, drafts):
-                out[b] = d
+        for (_, free), bs in groups.items():
+            rows, first = [self.rows[b] for b in bs], self.rows[bs[0]]
+            anchors, positions = [r.anchor for r in rows], [self.cache.lengths[b] for b in bs]
+            if free:  # history-free: B anchors and last features, no state
+                drafts = first.drafter.draft_rows(torch.cat([r.feats[-1:] for r in rows]), anchors, positions,
+                                                  T, first.generator)
+            else:     # per-request history caches, each extended by its own new positions
+                drafts, states = first.drafter.draft_history_rows([r.state for r in rows], [r.feats for r in rows],
+                                                                  anchors, positions, T, first.generator)
+                for r, st in zip(rows, states):
+                    r.state = st
+            for b, (tok, q) in zip(bs, drafts):
+                out[b] = (tok.reshape(-1), q)
         return out
 
     def _block(self, drafts: List[tuple]) -> tuple:

@@ -1,14 +1,16 @@
 """The history path of the teacher and the DSpark-style baseline (DFlash style): the
 projected target features of every position before the anchor become extra
 keys/values of every layer -- a packed mask for training, a growing drafter-side
-cache (`HistoryCache`) at inference."""
+cache (`HistoryCache`) at inference, and the backbone run for B blocks over B such
+caches at once (`extend_histories`, `rows_forward`: batched drafting)."""
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from dlite.models.common import gather_positions
-from dlite.models.layers import Backbone
+from dlite.models.layers import Attention, Backbone, apply_rope
 
 
 
@@ -94,12 +96,53 @@ def history_states(model, feats):
 def extend_history(model, cache: HistoryCache, feats, anchor_pos: int):
     """Append the newly verified positions anchor_pos-n..anchor_pos-1 to the cache;
     refuse a gap or overlap, which would silently shift every key's position."""
-    n = feats.shape[0]
-    if cache.length != anchor_pos - n:
-        raise ValueError(f"history cache holds {cache.length} positions but new features "
-                         f"start at {anchor_pos - n} (anchor_pos={anchor_pos}, n={n})")
-    pos = torch.arange(anchor_pos - n, anchor_pos, device=feats.device)[None]
-    cache.extend(model.backbone.memory_kv(history_states(model, feats)[None], pos))
+    extend_histories(model, [cache], [feats], [anchor_pos])
+
+
+def extend_histories(model, caches: Sequence[HistoryCache], feats: Sequence[torch.Tensor],
+                     anchor_pos: Sequence[int]):
+    """`extend_history` for B caches at once: feats[b] [n_b, K*H_t] are row b's newly
+    verified positions anchor_pos[b]-n_b..anchor_pos[b]-1. The rows are concatenated
+    so the projection reads its weights once, then split back into each row's cache.
+    Every row is checked before any is extended: a refused call changes nothing."""
+    ns = [f.shape[0] for f in feats]
+    for cache, n, p in zip(caches, ns, anchor_pos):
+        if cache.length != p - n:
+            raise ValueError(f"history cache holds {cache.length} positions but new features "
+                             f"start at {p - n} (anchor_pos={p}, n={n})")
+    dev = feats[0].device
+    pos = torch.cat([torch.arange(p - n, p, device=dev) for n, p in zip(ns, anchor_pos)])[None]
+    kv = model.backbone.memory_kv(history_states(model, torch.cat(list(feats)))[None], pos)
+    parts = [(k.split(ns, 2), v.split(ns, 2)) for k, v in kv]
+    for b, cache in enumerate(caches):
+        cache.extend([(ks[b], vs[b]) for ks, vs in parts])
+
+
+def rows_forward(backbone: Backbone, x, positions, caches: Sequence[HistoryCache]):
+    """`backbone(x, positions, cache)` for B blocks x [B, g, hid] at positions [B, g],
+    row b over its own caches[b]. Norms, projections and MLPs run on all B*g slots at
+    once; attention runs row by row where each cache lies (`HistoryCache.join` writes
+    the block's g keys/values after the history and returns a view), so histories of
+    any lengths are read in place: nothing padded, no history copied."""
+    cos, sin = backbone.rope(positions, x.dtype)
+    # DecoderLayer.forward's two residual steps, written out: its attention is one call
+    # for the whole batch, which rows with histories of different lengths cannot share.
+    for layer in backbone.layers:
+        x = x + _rows_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, caches)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x
+
+
+def _rows_attention(attn: Attention, x, cos, sin, caches: Sequence[HistoryCache]):
+    """Attention.forward (no mask) with row b's keys joined to caches[b] alone. Each
+    row's attention is the very call `draft` makes for that row on its own."""
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    q = apply_rope(attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2), cos, sin)
+    k, v = attn.project_kv(x, cos, sin)
+    gqa = attn.n_kv != attn.n_heads
+    rows = [(q[b:b + 1], *c.join(attn.layer_idx, k[b:b + 1], v[b:b + 1])) for b, c in enumerate(caches)]
+    out = torch.cat([F.scaled_dot_product_attention(*row, enable_gqa=gqa) for row in rows])
+    return attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
 
 
 class PrefixedMemory:

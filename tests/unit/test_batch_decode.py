@@ -1,7 +1,8 @@
 """Batched speculative decoding (closed loop, ragged rows) over a tiny random-weight
 Qwen3 target: every request's greedy output equals its own batch-1 plain greedy output
 at concurrency 1, 3 and 8 with histories of very different lengths (plain, oracle,
-half-right, DLite with its one-pass `draft_rows`, a history-reading drafter), the
+half-right, DLite with its one-pass `draft_rows`, DSpark-style with its one-pass
+`draft_history_rows`, a history-reading drafter), the
 ragged cache keeps exactly what a one-row cache would, DLite's batched draft is its
 per-row draft, finished rows are refilled in stream order, and a history-free drafter
 holds no state per request."""
@@ -58,13 +59,27 @@ MAKERS = {
     "half_right": lambda t: (lambda p: HalfRightDrafter(t, p, GAMMA, target_layer_ids=[0, 1])),
     "history": lambda t: (lambda p: FeatureChecked(t, p, GAMMA, target_layer_ids=[0, 1])),
     "dlite": lambda t: dlite_drafter(t, list(range(128))),
+    "dspark": lambda t: dspark_drafter(t),
 }
+
+
+def dspark_drafter(target, seed=1):
+    """A random-weight DSpark-style drafter (history cache per request, drafted for every
+    row in one pass by `draft_history_rows`) whose Markov head is not neutral."""
+    from dlite.models import LEARNED_MASK, DrafterConfig, build_drafter
+    cfg = DrafterConfig(arch="dspark", gamma=GAMMA, target_layer_ids=[0, 1], hidden_size=32, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64, markov_rank=8)
+    torch.manual_seed(seed)
+    d = build_drafter(cfg, target.get_input_embeddings().weight.detach(), target.lm_head.weight.detach(),
+                      LEARNED_MASK).eval()
+    torch.nn.init.normal_(d.markov.w2.weight, std=0.5)
+    return d
 
 
 @pytest.mark.parametrize("concurrency", [1, 3, 8])
 @pytest.mark.parametrize("name", MAKERS)
 def test_every_request_equals_its_own_plain_greedy_output(target, prompts, reference, name, concurrency):
-    history = name in ("oracle", "half_right", "history")
+    history = name in ("oracle", "half_right", "history", "dspark")
     reqs = _requests(target, prompts, history=history)
     res = batched_generate(target, MAKERS[name](target), reqs, concurrency, MAX_NEW)
     assert [r["index"] for r in res["requests"]] == list(range(len(prompts)))
