@@ -14,9 +14,12 @@ TRAIN_STAGES = ("teacher", "align", "dspark")
 # primary drafter with one of them (eval.hybrids: name -> the method it pairs with;
 # the name's end is the rule: none -- the match-length rule, _choose, _tree).
 BASELINES = ("prompt_lookup", "suffix")
-HYBRIDS = {"hybrid_lookup": "prompt_lookup", "hybrid_suffix": "suffix",
-           "hybrid_lookup_choose": "prompt_lookup", "hybrid_suffix_choose": "suffix",
-           "hybrid_lookup_tree": "prompt_lookup", "hybrid_suffix_tree": "suffix"}
+# hybrid name -> the token drafters (eval.baselines names) it puts beside the learned one
+HYBRIDS = {"hybrid_lookup": ("prompt_lookup",), "hybrid_suffix": ("suffix",),
+           "hybrid_lookup_choose": ("prompt_lookup",), "hybrid_suffix_choose": ("suffix",),
+           "hybrid_lookup_tree": ("prompt_lookup",), "hybrid_suffix_tree": ("suffix",),
+           "hybrid_lookup_suffix_choose": ("prompt_lookup", "suffix"),
+           "hybrid_lookup_suffix_tree": ("prompt_lookup", "suffix")}
 
 @dataclass
 class RunConfig:
@@ -185,6 +188,10 @@ class EvalConfig:
     verify_cost_tokens: List[int] = field(default_factory=lambda: [1, 2, 4, 8])
     verify_cost: List[float] = field(default_factory=lambda: [1.0, 1.4, 1.6, 2.2])
     tree_budget: int = 16  # hybrid_*_tree: draft tokens one tree round may verify
+    # Measure that curve instead, on this machine and target, with the calibration
+    # (verifying 1..32 tokens after a prefill of the middle of min_context..max_context,
+    # else 2048 tokens); saved as report["calibration"]["cost"]. false: the figures above.
+    measure_verify_cost: bool = True
     # Calibration of the proposers' confidences, fitted before the reported replay on
     # this many validation trajectories (never the reported ones: built-in held-out
     # ones of seed run.seed + 1, or the data.heldout_path records after n_trajectories);

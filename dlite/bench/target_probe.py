@@ -40,29 +40,15 @@ def probe(model, sequences: Iterable[Sequence[int]], buckets: Sequence[int]) -> 
     return out
 
 
-@torch.no_grad()
 def step_costs(model, contexts: Sequence[int], block: int = 8, reps: int = 3, seed: int = 0) -> dict:
     """{context: {decode_ms, verify_ms, ratio}}: the best of `reps` times for one cached
     decode step and for verifying a block of `block` tokens (speculative decoding's two
     target costs) after a prefill of `context` random tokens. Speculative decoding pays
     only where verify_ms / decode_ms is well below tau."""
-    import time
-    from dlite.decoding.decode import crop_cache, new_cache, target_forward
-    dev = next(model.parameters()).device
-    gen = torch.Generator().manual_seed(seed)
+    from dlite.decoding.calibrate import forward_ms
     out = {}
     for L in contexts:
-        ids = torch.randint(0, model.config.vocab_size, (L + block,), generator=gen).to(dev)
-        cache = new_cache(model)
-        target_forward(model, ids[:L], 0, cache, logits_to_keep=1)
-        best = {}
-        for name, n in (("decode_ms", 1), ("verify_ms", block)):
-            times = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                target_forward(model, ids[L:L + n], L, cache)
-                times.append((time.perf_counter() - t) * 1000)
-                crop_cache(cache, L)
-            best[name] = round(min(times), 2)
+        ms = forward_ms(model, L, (1, block), reps, seed)
+        best = {"decode_ms": round(ms[1], 2), "verify_ms": round(ms[block], 2)}
         out[str(L)] = {**best, "ratio": round(best["verify_ms"] / best["decode_ms"], 3)}
     return out

@@ -5,9 +5,17 @@ replayed greedily beside the primary learned drafter as an unpruned tree (every 
 every proposal verified: a flat cost curve and a budget no proposal reaches), so each
 round says, for every proposer, how many of its slots the target's greedy output
 confirms -- counterfactual acceptance, whichever proposal a hybrid would have picked.
-`dlite.decoding.calibration.fit` turns those per-slot observations into the maps."""
+`dlite.decoding.calibration.fit` turns those per-slot observations into the maps.
 
-from typing import Dict, Iterable, List
+`measure_cost`: the verify-cost curve on this machine and target (`forward_ms`: the
+best of a few timed cached forwards of m tokens after a prefill of the calibration's
+context length, over one token's), so that what a hybrid verifies is priced by what
+verification costs here rather than by another machine's figures."""
+
+import time
+from typing import Dict, Iterable, List, Sequence
+
+import torch
 
 from dlite.config_schema import HYBRIDS
 from dlite.decoding.calibration import Calibration, CostCurve, fit
@@ -19,7 +27,7 @@ FLAT = CostCurve((1,), (1.0,))  # every node is worth verifying: nothing pruned
 def scored_token_methods(hybrids: Iterable[str]) -> List[str]:
     """The token drafters (`prompt_lookup`, `suffix`) the choose / tree hybrids pair with."""
     from dlite.decoding.methods import hybrid_rule
-    return sorted({HYBRIDS[h] for h in hybrids if hybrid_rule(h) != "match"})
+    return sorted({m for h in hybrids if hybrid_rule(h) != "match" for m in HYBRIDS[h]})
 
 
 def calibration_builders(ev, primary, vocab_size: int) -> Dict[str, object]:
@@ -30,7 +38,7 @@ def calibration_builders(ev, primary, vocab_size: int) -> Dict[str, object]:
 
     def one(model, lk):
         return TreeHybrid(model, lk, Calibration(), FLAT, budget)
-    return {f"calib_{m}": (lambda m=m: _hybrid(primary, _TOKEN_DRAFTERS[m](ev, vocab_size, gamma), one))
+    return {f"calib_{m}": (lambda m=m: _hybrid(primary, [_TOKEN_DRAFTERS[m](ev, vocab_size, gamma)], one))
             for m in scored_token_methods(ev.hybrids)}
 
 
@@ -42,7 +50,8 @@ def branch_records(raw: dict) -> List[dict]:
 
 def fit_calibration(target, tokenizer, ev, primary, vocab_size: int, records: list, max_turns=None) -> dict:
     """Replay the validation `records` greedily and fit; `Calibration.to_dict()` with
-    what it was fitted on."""
+    what it was fitted on, and (`eval.measure_verify_cost`) the cost curve measured
+    here under "cost"."""
     from dlite.decoding.replay import replay_methods
     builders = calibration_builders(ev, primary, vocab_size)
     if not builders:
@@ -51,5 +60,63 @@ def fit_calibration(target, tokenizer, ev, primary, vocab_size: int, records: li
                             max_turns=max_turns or ev.max_turns)
     obs = branch_records(raw)
     tasks = len(next(iter(raw.values()))["0.0"][0])
-    return fit(obs, {"records": [r.get("id") for r in records], "tasks": tasks,
-                     "methods": sorted(builders)}).to_dict()
+    out = fit(obs, {"records": [r.get("id") for r in records], "tasks": tasks,
+                    "methods": sorted(builders)}).to_dict()
+    if ev.measure_verify_cost:
+        out["cost"] = measure_cost(target, cost_context(ev))
+    return out
+
+
+def cost_context(ev) -> int:
+    """Where the cost curve is measured: the middle of the reported turns' context range
+    (eval.min_context..max_context), else 2048 tokens."""
+    if ev.min_context and ev.max_context:
+        return (ev.min_context + ev.max_context) // 2
+    return min(2048, ev.max_context or 2048)
+
+
+def cost_curve(ev, calibration: dict = None) -> CostCurve:
+    """The curve the hybrids price verification by: the one measured with the
+    calibration when there is one, else eval.verify_cost_tokens -> eval.verify_cost."""
+    measured = (calibration or {}).get("cost")
+    if measured:
+        return CostCurve(tuple(measured["tokens"]), tuple(measured["costs"]))
+    return CostCurve(tuple(ev.verify_cost_tokens), tuple(ev.verify_cost))
+
+
+COST_SIZES = (1, 2, 4, 8, 16, 32)  # tokens per verification (anchor included)
+
+
+@torch.no_grad()
+def forward_ms(model, context: int, sizes: Sequence[int], reps: int = 3, seed: int = 0) -> Dict[int, float]:
+    """{m: ms}: the best of `reps` cached forwards of m random tokens after a prefill of
+    `context` random tokens (the cache cropped back after each)."""
+    from dlite.decoding.decode import crop_cache, new_cache, target_forward
+    dev = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (context + max(sizes),), generator=gen).to(dev)
+    cache = new_cache(model)
+    target_forward(model, ids[:context], 0, cache, logits_to_keep=1)
+    out = {}
+    for m in sizes:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            target_forward(model, ids[context:context + m], context, cache)
+            times.append((time.perf_counter() - t) * 1000)
+            crop_cache(cache, context)
+        out[m] = min(times)
+    return out
+
+
+def measure_cost(target, context: int, sizes: Sequence[int] = COST_SIZES, reps: int = 5) -> dict:
+    """The verify-cost curve measured here: {"tokens", "costs" (decode steps: m tokens'
+    forward over one token's, never below the previous point: a faster larger forward
+    is timing noise), "context", "decode_ms", "reps"}; `CostCurve(tokens, costs)`."""
+    ms = forward_ms(target, context, sizes, reps)
+    costs, floor = [], 1.0
+    for m in sizes:
+        floor = max(floor, ms[m] / ms[sizes[0]])
+        costs.append(round(floor, 4))
+    return {"tokens": list(sizes), "costs": costs, "context": int(context),
+            "decode_ms": round(ms[sizes[0]], 3), "reps": reps}

@@ -10,11 +10,16 @@ Confidence features (one number per slot, what `dlite.decoding.hybrid` records):
   path to it (arctic-inference's path probability over its parent's);
 - `lookup` (prompt lookup): the length of the n-gram match it continues.
 
-`Calibration`: per source a binned map feature -> acceptance, fitted on the per-branch
+``Calibration`: per source a binned map feature -> acceptance, fitted on the per-branch
 records of tree rounds on validation turns (`fit`: each branch is verified in full, so
 every slot up to its first miss is an observation, counterfactual to what was chosen),
 Laplace-smoothed and made non-decreasing in the feature (pool-adjacent-violators).
 Without a fit, `defaults`: the probability itself, and n / (n + 1) for a match of n.
+A fit also keeps one map per slot depth (`DEPTH_EDGES`: slot 0, 1, 2-3, 4+), each
+smoothed toward the pooled one: acceptance is conditional on the slots before it, and a
+copy that has held for a few tokens tends to go on holding (prompt lookup's feature is
+the same at every slot, so without depth a long right copy was scored like a short
+one and cut).
 
 `CostCurve`: verifying m tokens (anchor included) costs cost(m) decode steps, linear
 between measured points. The default is this project's CPU measurement (SmolLM2-135M
@@ -27,6 +32,11 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 PROB_EDGES = tuple(round(0.1 * i, 1) for i in range(1, 10))  # 10 bins over [0, 1]
 MATCH_EDGES = (2, 3, 4, 5, 6, 8)  # match length 1, 2, ..., 6-7, 8+
+DEPTH_EDGES = (1, 2, 4)  # slot 0, 1, 2-3, 4+
+
+
+def depth_bin(k: int) -> int:
+    return sum(k >= e for e in DEPTH_EDGES)
 
 
 def edges_for(source: str) -> Tuple[float, ...]:
@@ -68,10 +78,12 @@ def _isotonic(values: List[float], weights: List[float]) -> List[float]:
     return [v for v, _, c in out for _ in range(c)]
 
 
-def fit_map(source: str, pairs: Iterable[Tuple[float, bool]], prior_weight: float = 2.0) -> BinnedMap:
-    """Binned acceptance from (feature, accepted) pairs, smoothed toward the default."""
+def fit_map(source: str, pairs: Iterable[Tuple[float, bool]], prior_weight: float = 2.0,
+            prior: Sequence[float] = None) -> BinnedMap:
+    """Binned acceptance from (feature, accepted) pairs, smoothed toward `prior` (one
+    probability per bin; default: the uncalibrated map)."""
     edges = edges_for(source)
-    prior = _midpoints(edges, source)
+    prior = list(prior) if prior is not None else _midpoints(edges, source)
     hits, n = [0] * len(prior), [0] * len(prior)
     for x, y in pairs:
         i = sum(x >= e for e in edges)
@@ -81,47 +93,71 @@ def fit_map(source: str, pairs: Iterable[Tuple[float, bool]], prior_weight: floa
     return BinnedMap(edges, _isotonic(p, [c + prior_weight for c in n]), n)
 
 
+def _map_from(d: dict) -> BinnedMap:
+    return BinnedMap(tuple(d["edges"]), list(d["p"]), list(d["n"]))
+
+
 class Calibration:
-    """{source: BinnedMap}; a source without a fit gets its default map."""
+    """{source: BinnedMap} (pooled over slots) and, where fitted, {source: [BinnedMap
+    per depth bin]}; a source without a fit gets its default map."""
 
-    def __init__(self, maps: Dict[str, BinnedMap] = None, fitted_on: dict = None):
+    def __init__(self, maps: Dict[str, BinnedMap] = None, fitted_on: dict = None,
+                 by_depth: Dict[str, List[BinnedMap]] = None):
         self.maps, self.fitted_on = dict(maps or {}), fitted_on or {}
+        self.by_depth = dict(by_depth or {})
 
-    def prob(self, source: str, x: float) -> float:
+    def prob(self, source: str, x: float, depth: int = None) -> float:
+        """P(accepted | feature x, every slot before it accepted) at slot `depth`
+        (None: pooled over depths)."""
+        if depth is not None and source in self.by_depth:
+            return self.by_depth[source][depth_bin(depth)](x)
         if source not in self.maps:
             edges = edges_for(source)
             self.maps[source] = BinnedMap(edges, _midpoints(edges, source), [0] * (len(edges) + 1))
         return self.maps[source](x)
 
     def slot_probs(self, source: str, feats: Sequence[float]) -> List[float]:
-        return [self.prob(source, x) for x in feats]
+        return [self.prob(source, x, k) for k, x in enumerate(feats)]
 
     def to_dict(self) -> dict:
-        return {"maps": {s: m.to_dict() for s, m in self.maps.items()}, "fitted_on": self.fitted_on}
+        return {"maps": {s: m.to_dict() for s, m in self.maps.items()},
+                "by_depth": {s: [m.to_dict() for m in ms] for s, ms in self.by_depth.items()},
+                "depth_edges": list(DEPTH_EDGES), "fitted_on": self.fitted_on}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
         if not d:
             return cls()
-        maps = {s: BinnedMap(tuple(m["edges"]), list(m["p"]), list(m["n"])) for s, m in d["maps"].items()}
-        return cls(maps, d.get("fitted_on"))
+        if d.get("by_depth") and tuple(d.get("depth_edges", ())) != DEPTH_EDGES:
+            raise ValueError(f"calibration fitted with depth bins {d.get('depth_edges')}, "
+                             f"this code reads {list(DEPTH_EDGES)}: refit it")
+        maps = {s: _map_from(m) for s, m in d["maps"].items()}
+        by_depth = {s: [_map_from(m) for m in ms] for s, ms in (d.get("by_depth") or {}).items()}
+        return cls(maps, d.get("fitted_on"), by_depth)
 
 
-def observations(branch_records: Iterable[dict]) -> Dict[str, List[Tuple[float, bool]]]:
-    """(feature, accepted) per slot a branch reached: slots 0..matched (the first miss
-    included), each accepted iff before the miss."""
-    out: Dict[str, List[Tuple[float, bool]]] = {}
+def observations(branch_records: Iterable[dict]) -> Dict[str, List[Tuple[float, bool, int]]]:
+    """(feature, accepted, slot) per slot a branch reached: slots 0..matched (the first
+    miss included), each accepted iff before the miss."""
+    out: Dict[str, List[Tuple[float, bool, int]]] = {}
     for b in branch_records:
         n, m = len(b["feats"]), b["matched"]
-        out.setdefault(b["source"], []).extend((b["feats"][k], k < m) for k in range(min(m + 1, n)))
+        out.setdefault(b["source"], []).extend((b["feats"][k], k < m, k) for k in range(min(m + 1, n)))
     return out
 
 
 def fit(branch_records: Iterable[dict], fitted_on: dict = None) -> Calibration:
-    """A Calibration from the `branches` entries of tree rounds' records."""
+    """A Calibration from the `branches` entries of tree rounds' records: per source
+    the pooled map, and one per depth bin smoothed toward it (a bin with few slots
+    stays near the pooled estimate)."""
     obs = observations(branch_records)
-    maps = {s: fit_map(s, pairs) for s, pairs in obs.items()}
-    return Calibration(maps, {**(fitted_on or {}), "slots": {s: len(v) for s, v in obs.items()}})
+    maps, by_depth = {}, {}
+    for s, triples in obs.items():
+        maps[s] = fit_map(s, [(x, y) for x, y, _ in triples])
+        by_depth[s] = [fit_map(s, [(x, y) for x, y, k in triples if depth_bin(k) == d], prior=maps[s].p)
+                       for d in range(len(DEPTH_EDGES) + 1)]
+    slots = {s: len(v) for s, v in obs.items()}
+    return Calibration(maps, {**(fitted_on or {}), "slots": slots}, by_depth)
 
 
 def expected_accepted(slot_probs: Sequence[float]) -> List[float]:

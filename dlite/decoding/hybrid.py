@@ -1,5 +1,6 @@
 """Hybrids that are never worse than their best part: a history-free learned drafter
-paired with a token-reading one (prompt lookup or SuffixDecoding), per round either
+beside one or more token-reading ones (prompt lookup, SuffixDecoding, or both), per
+round either
 
 - `ChooseHybrid`: the proposal (and the prefix of it) with the most expected tokens per
   unit of verification cost, `(1 + E[accepted]) / cost(n + 1)`, from each proposer's
@@ -27,30 +28,48 @@ from dlite.decoding.tree import Branch, branch_matches
 from dlite.models.common import recording_confidences
 
 
-class _Pair:
-    """The two proposers of one prompt and how their proposals are scored."""
+def _source(lookup) -> str:
+    return getattr(lookup, "source", "lookup")
 
-    def __init__(self, model, lookup, calibration: Optional[Calibration] = None, cost: Optional[CostCurve] = None):
+
+class _Proposers:
+    """The proposers of one prompt (the learned drafter and each token drafter, with
+    its own accepted-sequence state) and how their proposals are scored."""
+
+    def __init__(self, model, lookups, calibration: Optional[Calibration] = None, cost: Optional[CostCurve] = None):
         if model.needs_history:
             raise ValueError("the hybrid needs a history-free drafter: one with a history "
                              "cache would miss the positions of the rounds lookup drafts")
-        self.model, self.lookup = model, lookup
+        self.lookups = list(lookups) if isinstance(lookups, (list, tuple)) else [lookups]
+        sources = [_source(lk) for lk in self.lookups]
+        if not sources or len(set(sources)) != len(sources):
+            raise ValueError(f"a hybrid takes one token drafter per source, got {sources}")
+        self.model = model
         self.calibration, self.cost = calibration or Calibration(), cost or CostCurve()
-        self.source = getattr(lookup, "source", "lookup")
-        self.gamma = max(model.gamma, lookup.gamma)
+        self.vocab_size = self.lookups[0].vocab_size
+        self.gamma = max(model.gamma, *(lk.gamma for lk in self.lookups))
         self.target_layer_ids, self.needs_history = model.target_layer_ids, False
 
     def new_state(self):
-        return dict(seq=self.lookup.new_state(), model=self.model.new_state(), source=[])
+        return dict(seq=[lk.new_state() for lk in self.lookups], model=self.model.new_state(), source=[])
 
     def token_branches(self, state, anchor_id: int, anchor_pos: int, tree_nodes: int = 0) -> List[Branch]:
-        """The token drafter's proposal(s), each with its per-slot confidence features;
+        """Every token drafter's proposal(s), each with its per-slot confidence features
+        (every drafter's sequence advances to the anchor, proposing or not);
         `tree_nodes` > 0: SuffixDecoding's speculation tree of up to that many nodes."""
-        if self.source == "suffix":
-            return [Branch(t, None, "suffix", f) for t, f in self.lookup.propose_branches(
-                state["seq"], anchor_id, anchor_pos, tree_nodes > 0, tree_nodes or None)]
-        tokens, n = self.lookup.propose(state["seq"], anchor_id, anchor_pos)
-        return [Branch(tokens, None, "lookup", [float(n)] * len(tokens))] if tokens else []
+        out = []
+        for lk, seq in zip(self.lookups, state["seq"]):
+            if _source(lk) == "suffix":
+                out += [Branch(t, None, "suffix", f) for t, f in lk.propose_branches(
+                    seq, anchor_id, anchor_pos, tree_nodes > 0, tree_nodes or None)]
+                continue
+            tokens, n = lk.propose(seq, anchor_id, anchor_pos)
+            out += [Branch(tokens, None, "lookup", [float(n)] * len(tokens))] if tokens else []
+        return out
+
+    def drafted(self, state, tokens: List[int]) -> None:
+        for seq in state["seq"]:
+            seq.drafted(tokens)
 
     def model_branch(self, state, feats, anchor_id: int, anchor_pos: int, temperature: float,
                      generator) -> Branch:
@@ -71,45 +90,48 @@ class _Pair:
 
     def ceiling(self) -> float:
         """The best value any learned block could have (every slot at the map's top)."""
-        top = self.calibration.prob("model", 1.0)
-        return self.cost.best_prefix([top] * self.model.gamma)[1]
+        tops = [self.calibration.prob("model", 1.0, k) for k in range(self.model.gamma)]
+        return self.cost.best_prefix(tops)[1]
 
     def finish(self, state, new_tokens: List[int]) -> None:
-        if hasattr(self.lookup, "finish"):  # SuffixDecoding indexes the whole response
-            self.lookup.finish(state["seq"], new_tokens)
+        for lk, seq in zip(self.lookups, state["seq"]):
+            if hasattr(lk, "finish"):  # SuffixDecoding indexes the whole response
+                lk.finish(seq, new_tokens)
 
     def cache_bytes(self, state) -> int:
-        return self.model.cache_bytes(state["model"]) + self.lookup.cache_bytes(state["seq"])
+        return self.model.cache_bytes(state["model"]) + sum(
+            lk.cache_bytes(seq) for lk, seq in zip(self.lookups, state["seq"]))
 
 
-class ChooseHybrid(_Pair):
-    """Per round one proposal, the one worth more per unit of verification cost."""
+class ChooseHybrid(_Proposers):
+    """Per round one proposal, the one worth most per unit of verification cost."""
 
     def draft(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
               generator: Optional[torch.Generator] = None):
-        found = self.token_branches(state, anchor_id, anchor_pos)
         options = []
-        if found:
-            n, v = self.cost.best_prefix(self.slot_probs(found[0]))
-            options.append((v, found[0], n))
+        for br in self.token_branches(state, anchor_id, anchor_pos):
+            n, v = self.cost.best_prefix(self.slot_probs(br))
+            options.append((v, br, n))
+        best_token = max((o[0] for o in options), default=None)
         # Skip the learned drafter (its draft time too) when it cannot win this round.
-        if not options or options[0][0] < self.ceiling():
+        if best_token is None or best_token < self.ceiling():
             br = self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator)
             n, v = self.cost.best_prefix(self.slot_probs(br))
             options.append((v, br, min(n, len(br.tokens))))
-        v, br, n = max(options, key=lambda o: o[0])  # ties: the token proposal (listed first)
+        # Ties: the first listed (token drafters in their order, the learned one last).
+        v, br, n = max(options, key=lambda o: o[0])
         br = br.cut(n)
         state["source"].append(br.source if n else "none")
-        state["seq"].drafted(br.tokens)
+        self.drafted(state, br.tokens)
         if br.source == "model" and br.q is not None:
             return torch.tensor(br.tokens, dtype=torch.long), br.q, state
-        return (*token_block(br.tokens, self.lookup.vocab_size, temperature), state)
+        return (*token_block(br.tokens, self.vocab_size, temperature), state)
 
     def round_info(self, state) -> dict:
         return {"source": state["source"][-1]}
 
 
-class TreeHybrid(_Pair):
+class TreeHybrid(_Proposers):
     """Per round every proposal, as one token tree of at most `budget` draft tokens."""
 
     def __init__(self, model, lookup, calibration=None, cost=None, budget: int = 16):
@@ -156,7 +178,7 @@ class TreeHybrid(_Pair):
     def tree_verified(self, state, branches: List[Branch], emit: List[int]) -> tuple:
         """After verification: the sequence learns the accepted tokens; the record gets
         the source of the accepted path and each branch's match."""
-        state["seq"].drafted(emit[:-1])
+        self.drafted(state, emit[:-1])
         matched = branch_matches(branches, emit)
         best = max(matched, default=0)
         srcs = {b.source for b, m in zip(branches, matched) if m == best}

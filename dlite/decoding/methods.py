@@ -4,10 +4,12 @@ the learned drafters it is given, the training-free baselines (`eval.baselines`:
 (`eval.hybrids`: `hybrid_lookup`, `hybrid_suffix`: the lookup's proposal when its match
 is >= `eval.hybrid_min_match` tokens, else the drafter's block; `hybrid_*_choose`: the
 proposal with the most expected tokens per unit of verification cost; `hybrid_*_tree`:
-both verified as one token tree of at most `eval.tree_budget` tokens -- see
-`dlite.decoding.hybrid`). The choose / tree hybrids score proposals with a
+all verified as one token tree of at most `eval.tree_budget` tokens -- see
+`dlite.decoding.hybrid`; `hybrid_lookup_suffix_*`: both token drafters beside the
+learned one). The choose / tree hybrids score proposals with a
 `Calibration` (fitted on validation turns by the evaluation, else the defaults) and the
-verify-cost curve `eval.verify_cost_tokens` -> `eval.verify_cost`.
+verify-cost curve measured with the calibration (`eval.measure_verify_cost`), else
+`eval.verify_cost_tokens` -> `eval.verify_cost`.
 
 Each method is a builder: `build() -> drafter or factory prompt_ids -> drafter`. A
 builder is called once per replay, so SuffixDecoding's global tree of earlier outputs
@@ -22,7 +24,8 @@ import functools
 from typing import Callable, Dict, Optional
 
 from dlite.config_schema import HYBRIDS
-from dlite.decoding.calibration import Calibration, CostCurve
+from dlite.decoding.calibrate import cost_curve
+from dlite.decoding.calibration import Calibration
 from dlite.decoding.context_vocab import ContextVocab
 from dlite.decoding.hybrid import ChooseHybrid, TreeHybrid
 from dlite.decoding.lookup import HybridDrafter, PromptLookupDrafter
@@ -55,24 +58,27 @@ def hybrid_rule(name: str) -> str:
     return name.rsplit("_", 1)[1] if name.endswith(("_choose", "_tree")) else "match"
 
 
-def hybrid_maker(ev, name: str, calibration: Optional[Calibration] = None) -> Callable:
-    """(model, token drafter) -> the hybrid `name` names, with eval's settings."""
+def hybrid_maker(ev, name: str, calibration: Optional[dict] = None) -> Callable:
+    """(model, token drafters) -> the hybrid `name` names, with eval's settings and the
+    calibration (`Calibration.to_dict()`, its measured cost curve with it)."""
     rule = hybrid_rule(name)
-    cost = CostCurve(tuple(ev.verify_cost_tokens), tuple(ev.verify_cost))
+    cost = cost_curve(ev, calibration)
+    calibration = Calibration.from_dict(calibration)
     if rule == "choose":
-        return lambda model, lk: ChooseHybrid(model, lk, calibration, cost)
+        return lambda model, lks: ChooseHybrid(model, lks, calibration, cost)
     if rule == "tree":
-        return lambda model, lk: TreeHybrid(model, lk, calibration, cost, ev.tree_budget)
-    return lambda model, lk: HybridDrafter(model, lk, ev.hybrid_min_match)
+        return lambda model, lks: TreeHybrid(model, lks, calibration, cost, ev.tree_budget)
+    return lambda model, lks: HybridDrafter(model, lks[0], ev.hybrid_min_match)
 
 
-def _hybrid(model, token_factory, make_one: Callable):
-    """Factory prompt_ids -> hybrid sharing `token_factory`'s state (a suffix cache's
+def _hybrid(model, token_factories: list, make_one: Callable):
+    """Factory prompt_ids -> hybrid sharing the token factories' state (a suffix cache's
     global tree) across prompts."""
     def make(prompt_ids):
-        return make_one(model, token_factory(prompt_ids))
-    if hasattr(token_factory, "fork"):
-        make.fork = lambda: _hybrid(model, token_factory.fork(), make_one)
+        return make_one(model, [f(prompt_ids) for f in token_factories])
+    if any(hasattr(f, "fork") for f in token_factories):
+        make.fork = lambda: _hybrid(model, [f.fork() if hasattr(f, "fork") else f for f in token_factories],
+                                    make_one)
     return make
 
 
@@ -110,6 +116,6 @@ def method_builders(ev, learned: Dict[str, object], vocab_size: int,
     for name in ev.hybrids:
         if primary is None:
             raise ValueError(f"eval.hybrids: {name} needs a learned drafter to pair with")
-        make, one = _TOKEN_DRAFTERS[HYBRIDS[name]], hybrid_maker(ev, name, Calibration.from_dict(calibration))
-        out[name] = lambda make=make, one=one: _hybrid(primary, make(ev, vocab_size, gamma), one)
+        makers, one = [_TOKEN_DRAFTERS[m] for m in HYBRIDS[name]], hybrid_maker(ev, name, calibration)
+        out[name] = lambda makers=makers, one=one: _hybrid(primary, [m(ev, vocab_size, gamma) for m in makers], one)
     return out

@@ -193,3 +193,32 @@ def summarize_rounds(rounds: List[dict], gamma: int,
         "draft_cache_bytes_by_bucket": by_bucket(rounds, lambda rs: _mean(rs, "cache_bytes"), buckets),
         "n_rounds": len(rounds),
     }
+
+
+def hybrid_vs_best(methods: Dict[str, dict]) -> Dict[str, dict]:
+    """Per hybrid (a method named hybrid_*): its tau and speedup over the best single
+    method's (every method not a hybrid) overall and per context bucket, which method
+    that best one is, and whether it reaches it (ratio >= 1) everywhere on both --
+    the goal "a hybrid is never worse than its best part"."""
+    single = [n for n in methods if not n.startswith("hybrid_")]
+    out = {}
+    for h in (n for n in methods if n.startswith("hybrid_")):
+        row = {}
+        for metric, key in (("tau", "tau"), ("speedup", "speedup_vs_ar")):
+            mine = {"all": methods[h].get(key), **(methods[h].get(f"{key}_by_bucket") or {})}
+            fig = {}
+            for b, v in mine.items():
+                rivals = {n: (methods[n].get(key) if b == "all" else (methods[n].get(f"{key}_by_bucket") or {}).get(b))
+                          for n in single}
+                rivals = {n: x for n, x in rivals.items() if x is not None}
+                if v is None or not rivals:
+                    continue
+                best = max(rivals, key=rivals.get)
+                r = ratio(v, rivals[best])
+                fig[b] = {"ratio": None if r is None else round(r, 4), "best": best, "best_value": round(rivals[best], 4),
+                          "value": round(v, 4)}
+            row[metric] = fig
+        ratios = [f["ratio"] for m in row.values() for f in m.values()]
+        row["ge_best_everywhere"] = bool(ratios) and all(r is not None and r >= 1.0 for r in ratios)
+        out[h] = row
+    return out

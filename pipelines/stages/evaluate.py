@@ -169,6 +169,7 @@ def _method_report(cfg, name: str, parts: list, speed: dict, temperatures: list)
 def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     """Acceptance over workers, then speed on one; the report of every drafter."""
     from dlite import target as tgt
+    from dlite.decoding.metrics import hybrid_vs_best
     from dlite.decoding.ties import lossless_rule
     from dlite.envinfo import env_info
     if not drafters:
@@ -218,6 +219,7 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
                        "pairs": methods[primary]["speedup_vs_ar_spread"]["n_pairs"]},
             "n_trajectories": len(records), "heldout": heldout, "target_fingerprint": tgt.fingerprint(cfg.target),
             "calibration": calibration, **({"throughput": throughput} if throughput else {}),
+            **({"hybrid_vs_best": hybrid_vs_best(methods)} if cfg.eval.hybrids else {}),
             "config": conf, "env": env_info()}
 
 
@@ -269,6 +271,10 @@ def metric_items(report: dict) -> dict:
             out.update({f"{pre}.branch_tau_alone.{src}": f["tau_alone"] for src, f in (r.get("branches") or {}).items()})
         out[f"{name}.lossless"] = float(bool(m["lossless"]))
         out[f"{name}.lossless_up_to_ties"] = float(bool(m.get("lossless_up_to_ties", m["lossless"])))
+    for h, row in (report.get("hybrid_vs_best") or {}).items():  # over the best single method
+        for metric in ("tau", "speedup"):
+            out.update({f"{h}.over_best.{metric}.{metric_label(b)}": f["ratio"]
+                        for b, f in row[metric].items() if f["ratio"] is not None})
     if report.get("throughput"):
         from pipelines.stages.evaluate_throughput import metric_items as throughput_items
         out.update(throughput_items(report["throughput"], "throughput."))

@@ -43,13 +43,14 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
                         "--drafter", f"baseline={dirs['dspark']}", "--out", str(out),
                         "eval.n_trajectories=2", "eval.max_turns=3", "eval.max_new_tokens=24",
                         "eval.temperatures=[0.0,1.0]", "eval.speed_trajectories=1",
-                        "eval.baselines=[prompt_lookup,suffix]", "eval.hybrids=[hybrid_suffix]",
+                        "eval.baselines=[prompt_lookup,suffix]", "eval.hybrids=[hybrid_suffix,hybrid_lookup_suffix_choose]",
                         "eval.concurrency=[1,3]", "eval.concurrency_requests=5",
                         f"tracking.uri={mlflow_server}", "tracking.experiment=evaluate-cli"],
                        cwd=repo_root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rep = json.loads(out.read_text())
-    assert list(rep["methods"]) == ["dlite", "baseline", "prompt_lookup", "suffix", "hybrid_suffix"]
+    hybrids = ["hybrid_suffix", "hybrid_lookup_suffix_choose"]
+    assert list(rep["methods"]) == ["dlite", "baseline", "prompt_lookup", "suffix", *hybrids]
     assert rep["primary"] == "dlite" and rep["methods"]["suffix"]["drafter"] is None
     for m in rep["methods"].values():
         assert m["lossless"] is True and m["by_temperature"]["0.0"]["lossless"] is True
@@ -74,9 +75,18 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
     assert rep["speedup_vs_ar_lower"] == spread["lower_bound"] and rep["timing"]["pairs"] == 3
     assert rep["timing"]["plain_tokens_per_s"] > 0 and rep["timing"]["cpu_count"] >= 1
     assert (out.parent / "report-accept_at_k.png").read_bytes()[:4] == b"\x89PNG"
+    # Each hybrid beside the best single method, tau and speedup, overall and per bucket;
+    # the choose hybrid was calibrated on validation turns and priced by a cost curve
+    # measured in this run.
+    assert set(rep["hybrid_vs_best"]) == set(hybrids)
+    for row in rep["hybrid_vs_best"].values():
+        assert {"all"} <= set(row["tau"]) and row["tau"]["all"]["best"] in ("dlite", "baseline", "prompt_lookup", "suffix")
+        assert isinstance(row["ge_best_everywhere"], bool)
+    assert rep["calibration"]["fitted_on"]["methods"] == ["calib_prompt_lookup", "calib_suffix"]
+    assert rep["calibration"]["cost"]["costs"][0] == 1.0 and rep["calibration"]["cost"]["decode_ms"] > 0
     # eval.concurrency: every method batched at 1 and 3 concurrent requests, closed loop
     tp = rep["throughput"]
-    assert list(tp["methods"]) == ["plain", "dlite", "baseline", "prompt_lookup", "suffix", "hybrid_suffix"]
+    assert list(tp["methods"]) == ["plain", "dlite", "baseline", "prompt_lookup", "suffix", *hybrids]
     assert tp["requests"]["n"] == 5 and tp["skipped_methods"] == []
     for name, by in tp["methods"].items():
         assert set(by) == {"1", "3"}
@@ -97,6 +107,8 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
     assert "baseline.t1.accept_at_k.1" in run.data.metrics
     assert run.data.metrics["suffix.greedy.tau"] == pytest.approx(rep["methods"]["suffix"]["tau"])
     assert run.data.metrics["hybrid_suffix.lossless"] == 1.0
+    assert run.data.metrics["hybrid_lookup_suffix_choose.over_best.tau.all"] == pytest.approx(
+        rep["hybrid_vs_best"]["hybrid_lookup_suffix_choose"]["tau"]["all"]["ratio"])
     assert run.data.metrics["throughput.dlite.c3.tau"] == pytest.approx(tp["methods"]["dlite"]["3"]["tau"])
     arts = {a.path for a in c.list_artifacts(run.info.run_id, "evaluation")}
     assert {"evaluation/report.json", "evaluation/accept_at_k.png", "evaluation/tau_by_bucket.png"} <= arts

@@ -17,6 +17,8 @@ from dlite.decoding.methods import method_builders
 from dlite.decoding.suffix import SuffixDecoding, tree_paths
 from dlite.models.common import sample_block
 from tests.unit.test_lookup import REPEAT, V
+
+TRAJ_IDS = [1, 2, 3]  # any prompt: building a drafter reads nothing from it
 from tests.unit.test_spec_decode import TRAJ, _pvalues, dlite_drafter, tiny_target, tokenizer  # noqa: F401  (fixture)
 
 
@@ -48,7 +50,7 @@ def test_calibration_fit_is_monotone_and_round_trips():
             {"source": "lookup", "feats": [3.0] * 4, "matched": 4}]
     obs = observations(recs)
     # the first record: slots 0, 1 accepted, slot 2 its miss; the second: slot 0 missed.
-    assert obs["model"] == [(0.95, True), (0.9, True), (0.2, False), (0.15, False)]
+    assert obs["model"] == [(0.95, True, 0), (0.9, True, 1), (0.2, False, 2), (0.15, False, 0)]
     assert len(obs["lookup"]) == 4
     cal = fit(recs * 20)
     p = cal.maps["model"].p
@@ -56,6 +58,29 @@ def test_calibration_fit_is_monotone_and_round_trips():
     again = Calibration.from_dict(cal.to_dict())
     assert again.prob("lookup", 3) == pytest.approx(cal.prob("lookup", 3), abs=1e-4)
     assert Calibration().prob("lookup", 1) == 0.5  # default: n / (n + 1)
+
+
+def test_calibration_conditions_on_the_slot_depth():
+    """A copy that is right at its first slot goes on being right: slot 0 holds half the
+    time, later slots (given the ones before held) nearly always. The pooled map says
+    ~0.7 everywhere; the depth maps say so per slot, and survive a round trip."""
+    recs = ([{"source": "lookup", "feats": [2.0] * 6, "matched": 6}] * 30
+            + [{"source": "lookup", "feats": [2.0] * 6, "matched": 0}] * 30)
+    cal = fit(recs)
+    p = cal.slot_probs("lookup", [2.0] * 6)
+    assert p[0] < 0.55 and min(p[1:]) > 0.9
+    pooled = cal.prob("lookup", 2.0)
+    assert p[0] < pooled < p[1]
+    again = Calibration.from_dict(cal.to_dict())
+    assert again.slot_probs("lookup", [2.0] * 6) == pytest.approx(p, abs=1e-4)
+    # The expected accepted length follows: the pooled map would cut this copy short.
+    assert CostCurve().best_prefix(p)[0] == 6
+    # A depth bin without observations stays at the pooled estimate.
+    sparse = fit([{"source": "model", "feats": [0.95], "matched": 1}] * 10)
+    assert sparse.prob("model", 0.95, 5) == pytest.approx(sparse.prob("model", 0.95))
+    bad = {**cal.to_dict(), "depth_edges": [1, 3]}
+    with pytest.raises(ValueError, match="refit"):
+        Calibration.from_dict(bad)
 
 
 @pytest.mark.parametrize("kind", ["choose", "tree"])
@@ -82,6 +107,47 @@ def test_hybrids_are_lossless_with_suffix_decoding(target, model, kind):
     drafter = make(model, SuffixDecoding(V, gamma=4)(REPEAT))
     out, rounds = speculative_generate(target, drafter, REPEAT, 30)
     assert out == ref and any(r["source"] in ("suffix", "shared") for r in rounds)
+
+
+@pytest.mark.parametrize("kind", ["choose", "tree"])
+def test_hybrids_with_both_token_drafters_are_lossless(target, model, kind):
+    """Prompt lookup and SuffixDecoding beside the learned drafter: every round's
+    proposals come from any of the three, the output is plain greedy's."""
+    ref, _ = plain_generate(target, REPEAT, 30)
+    make = ChooseHybrid if kind == "choose" else TreeHybrid
+    drafter = make(model, [_lookup(REPEAT), SuffixDecoding(V, gamma=4)(REPEAT)])
+    out, rounds = speculative_generate(target, drafter, REPEAT, 30)
+    assert out == ref
+    assert {r["source"] for r in rounds} <= {"lookup", "suffix", "model", "none", "shared"}
+    if kind == "tree":
+        assert {"lookup", "suffix"} <= {b["source"] for r in rounds for b in r["branches"]}
+    with pytest.raises(ValueError, match="one token drafter per source"):
+        make(model, [_lookup(REPEAT), _lookup(REPEAT)])
+
+
+def test_the_choice_takes_the_best_of_several_token_drafters(model):
+    """Two token proposals: the one the calibration rates higher is verified; with both
+    rated low and the learned drafter high, the learned drafter's block."""
+    feats = torch.zeros(1, model.feature_dim)
+    sx = SuffixDecoding(V, gamma=4)
+    lookup_first = Calibration({"lookup": BinnedMap((2,), [0.99, 0.99], [0, 0]),
+                                "suffix": BinnedMap((0.5,), [0.01, 0.01], [0, 0]),
+                                "model": BinnedMap((0.5,), [0.01, 0.01], [0, 0])})
+    hybrid = ChooseHybrid(model, [_lookup(REPEAT), sx(REPEAT)], lookup_first)
+    tokens, _, state = hybrid.draft(hybrid.new_state(), feats, 3, len(REPEAT), 0.0)
+    assert state["source"] == ["lookup"] and tokens.tolist() == [42, 8, 61, 7]
+    suffix_first = Calibration({"lookup": BinnedMap((2,), [0.01, 0.01], [0, 0]),
+                                "suffix": BinnedMap((0.5,), [0.99, 0.99], [0, 0]),
+                                "model": BinnedMap((0.5,), [0.01, 0.01], [0, 0])})
+    hybrid = ChooseHybrid(model, [_lookup(REPEAT), sx(REPEAT)], suffix_first)
+    tokens, _, state = hybrid.draft(hybrid.new_state(), feats, 3, len(REPEAT), 0.0)
+    assert state["source"] == ["suffix"] and tokens.numel() > 0
+    model_first = Calibration({"lookup": BinnedMap((2,), [0.01, 0.01], [0, 0]),
+                               "suffix": BinnedMap((0.5,), [0.01, 0.01], [0, 0]),
+                               "model": BinnedMap((0.0,), [0.99, 0.99], [0, 0])})
+    hybrid = ChooseHybrid(model, [_lookup(REPEAT), sx(REPEAT)], model_first)
+    _, _, state = hybrid.draft(hybrid.new_state(), feats, 3, len(REPEAT), 0.0)
+    assert state["source"] == ["model"]
 
 
 def test_the_choice_follows_the_calibration(model):
@@ -142,11 +208,16 @@ def test_early_stop_never_selects_on_the_draw(model):
 
 
 def test_method_builders_make_the_new_rows(model):
-    ev = OmegaConf.structured(EvalConfig(hybrids=["hybrid_lookup_choose", "hybrid_lookup_tree", "hybrid_lookup"]))
+    ev = OmegaConf.structured(EvalConfig(hybrids=["hybrid_lookup_choose", "hybrid_lookup_tree", "hybrid_lookup",
+                                                  "hybrid_lookup_suffix_choose", "hybrid_lookup_suffix_tree"]))
     builders = method_builders(ev, {"dlite": model}, V, Calibration().to_dict())
     assert isinstance(builders["hybrid_lookup_choose"]()(REPEAT), ChooseHybrid)
     tree = builders["hybrid_lookup_tree"]()(REPEAT)
     assert isinstance(tree, TreeHybrid) and tree.budget == ev.tree_budget
+    both = builders["hybrid_lookup_suffix_tree"]()
+    assert hasattr(both, "fork")  # the suffix cache's global tree can be forked for a warm-up
+    assert [type(lk).__name__ for lk in both(REPEAT).lookups] == ["PromptLookupDrafter", "SuffixDrafter"]
+    assert isinstance(builders["hybrid_lookup_suffix_choose"]()(REPEAT), ChooseHybrid)
 
 
 def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
@@ -161,7 +232,9 @@ def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     assert list(calibration_builders(ev, drafter, len(tokenizer))) == ["calib_prompt_lookup"]
     cal = fit_calibration(tm, tokenizer, ev, drafter, len(tokenizer), [TRAJ])
     assert cal["fitted_on"]["records"] == ["t1"] and cal["fitted_on"]["slots"]["model"] > 0
-    builders = method_builders(ev, {"dlite": drafter}, len(tokenizer), cal)
+    # Priced by the configured CPU curve (the tiny target's measured one is nearly flat:
+    # there, verifying one more token costs next to nothing, so even a poor one pays).
+    builders = method_builders(ev, {"dlite": drafter}, len(tokenizer), {**cal, "cost": None})
     raw, a = replay_methods(tm, tokenizer, builders, [TRAJ], ev, [0.0], timed=False)
     tree = aggregate(*raw["hybrid_lookup_tree"]["0.0"], a)
     assert tree["lossless"] is True and tree["verified"] is not None
@@ -170,6 +243,13 @@ def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     m = cal["maps"]["model"]
     assert max(p for p, n in zip(m["p"], m["n"]) if n) < 0.2 and "model" not in tree["branches"]
     assert branch_records(raw)  # tree rounds record their branches
+    # The cost curve was measured on this target, one point per size, never decreasing,
+    # and the hybrids price verification by it.
+    cost = cal["cost"]
+    assert cost["tokens"] == [1, 2, 4, 8, 16, 32] and cost["costs"][0] == 1.0 and cost["decode_ms"] > 0
+    assert all(a <= b for a, b in zip(cost["costs"], cost["costs"][1:]))
+    measured = method_builders(ev, {"dlite": drafter}, len(tokenizer), cal)
+    assert measured["hybrid_lookup_tree"]()(TRAJ_IDS).cost.costs == tuple(cost["costs"])
     choose = aggregate(*raw["hybrid_lookup_choose"]["0.0"], a)
     assert choose["lossless"] is True and sum(f["rounds"] for f in choose["by_source"].values()) == choose["n_rounds"]
 
@@ -198,3 +278,29 @@ def test_bad_hybrid_settings_fail_naming_the_key(override, key):
     from dlite.config import ConfigError, load_config
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("configs/experiments/tiny.yaml", [override])
+
+
+def test_the_cost_curve_falls_back_to_the_configured_one():
+    from dlite.decoding.calibrate import cost_context, cost_curve
+    ev = OmegaConf.structured(EvalConfig())
+    assert cost_curve(ev, None) == CostCurve((1, 2, 4, 8), (1.0, 1.4, 1.6, 2.2))
+    assert cost_curve(ev, {"cost": {"tokens": [1, 4], "costs": [1.0, 1.3]}}) == CostCurve((1, 4), (1.0, 1.3))
+    assert cost_context(ev) == 2048
+    assert cost_context(OmegaConf.structured(EvalConfig(min_context=1024, max_context=8000))) == 4512
+
+
+def test_hybrid_vs_best_names_the_best_single_method_per_bucket():
+    from dlite.decoding.metrics import hybrid_vs_best
+    m = {"dlite": {"tau": 1.5, "tau_by_bucket": {"<1K": 1.2, "1K-4K": 1.8}, "speedup_vs_ar": 1.1,
+                   "speedup_vs_ar_by_bucket": {"<1K": 1.0, "1K-4K": 1.3}},
+         "suffix": {"tau": 2.0, "tau_by_bucket": {"<1K": 1.1, "1K-4K": 2.6}, "speedup_vs_ar": 1.5,
+                    "speedup_vs_ar_by_bucket": {"<1K": 0.9, "1K-4K": 2.0}},
+         "hybrid_lookup_suffix_choose": {"tau": 2.2, "tau_by_bucket": {"<1K": 1.2, "1K-4K": 2.5},
+                                         "speedup_vs_ar": 1.6, "speedup_vs_ar_by_bucket": {"<1K": 1.05, "1K-4K": 2.1}}}
+    row = hybrid_vs_best(m)["hybrid_lookup_suffix_choose"]
+    assert row["tau"]["<1K"] == {"ratio": 1.0, "best": "dlite", "best_value": 1.2, "value": 1.2}
+    assert row["tau"]["1K-4K"]["best"] == "suffix" and row["tau"]["1K-4K"]["ratio"] == pytest.approx(2.5 / 2.6, abs=1e-4)
+    assert row["speedup"]["all"]["ratio"] == pytest.approx(1.6 / 1.5, abs=1e-4)
+    assert row["ge_best_everywhere"] is False  # 1K-4K tau is short
+    m["hybrid_lookup_suffix_choose"]["tau_by_bucket"]["1K-4K"] = 2.7
+    assert hybrid_vs_best(m)["hybrid_lookup_suffix_choose"]["ge_best_everywhere"] is True
