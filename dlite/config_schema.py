@@ -190,7 +190,8 @@ class EvalConfig:
     tree_budget: int = 16  # hybrid_*_tree: draft tokens one tree round may verify
     # Measure that curve instead, on this machine and target, with the calibration
     # (verifying 1..32 tokens after a prefill of the middle of min_context..max_context,
-    # else 2048 tokens); saved as report["calibration"]["cost"]. false: the figures above.
+    # else 2048 tokens, with eval.threads as the timed replay); saved as
+    # report["calibration"]["cost"]. false: the figures above.
     measure_verify_cost: bool = True
     # Calibration of the proposers' confidences, fitted before the reported replay on
     # this many validation trajectories (never the reported ones: built-in held-out

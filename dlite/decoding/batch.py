@@ -18,8 +18,13 @@ One round:
    rest is dropped; its next features are the captured layer outputs at those slots.
 
 Per-row early stop (`eval.draft_stop_prob`) is the drafters' own: a row may propose
-fewer tokens, even none (then only its anchor is verified). Tree hybrids are not
-batched (their token trees would need per-row tree masks): they are refused here.
+fewer tokens, even none (then only its anchor is verified).
+
+Tree hybrids (`draft_tree`) draft row by row; each row's branches become its token
+tree (`dlite.decoding.tree`), the rows' trees are padded to the largest into one
+forward (each node at its row's start + its depth, seeing its row's history and its
+own ancestors), each row walks its own tree by the same rule as batch-1
+(`verify_tree`), and keeps the slots of its accepted path.
 
 Lossless: each request's greedy output equals its own batch-1 plain greedy output; the
 batch changes only the shapes the arithmetic runs in, so a low-precision target can part
@@ -42,6 +47,7 @@ from dlite.decoding.capture import LayerCapture
 from dlite.decoding.decode import Prefill, _device, _extend, _new_state, _sync, target_forward
 from dlite.decoding.ragged import RaggedCache
 from dlite.decoding.replay import drafter_for
+from dlite.decoding.tree import TokenTree, build_tree, verify_tree
 from dlite.decoding.verify import sample_token, verify_block
 
 RESERVE_BLOCK = 64  # cache slots per row beyond prompt + new tokens: one round's block
@@ -67,8 +73,6 @@ class _Row:
     start: float
     out: List[int] = dataclasses.field(default_factory=list)
     rounds: List[dict] = dataclasses.field(default_factory=list)
-    kv_peak: int = 0
-    drafter_peak: int = 0
 
 
 def _layers_needed(drafter, requests: Sequence[Request]) -> tuple:
@@ -76,9 +80,31 @@ def _layers_needed(drafter, requests: Sequence[Request]) -> tuple:
     if drafter is None:
         return [], False
     d = drafter_for(drafter, requests[0].prompt_ids)
-    if hasattr(d, "draft_tree"):
-        raise ValueError("batched decoding verifies linear blocks; a tree hybrid is not batched")
     return list(d.target_layer_ids), bool(d.needs_history)
+
+
+@dataclasses.dataclass
+class _TreeDraft:
+    """A row's round from a tree drafter: its token tree and the branches it merged."""
+    tree: TokenTree
+    branches: list
+
+
+def _chain(anchor: int, tok: torch.Tensor) -> tuple:
+    """(tokens, parents, depths) of a linear block: anchor, then the drafts in a chain."""
+    n = 1 + tok.numel()
+    return [anchor, *tok.tolist()], list(range(-1, n - 1)), list(range(n))
+
+
+def _ancestors(parents: List[int], n: int) -> torch.Tensor:
+    """[n, n] bool: slot i sees slot j iff j is i or one of its ancestors (slots past
+    the row's own nodes, padding, see themselves only)."""
+    out = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        while p >= 0:
+            out[i, p] = True
+            p = parents[p]
+    return out
 
 
 class _Loop:
@@ -119,16 +145,16 @@ class _Loop:
 
     def _finish(self, b: int, row: _Row) -> None:
         # a row's cache and its drafter's state only grow: their peaks are their sizes now
-        row.kv_peak = self.cache.row_bytes(b)
+        kv_peak, drafter_peak = self.cache.row_bytes(b), 0
         if row.drafter is not None:
-            row.drafter_peak = int(row.drafter.cache_bytes(row.state))
+            drafter_peak = int(row.drafter.cache_bytes(row.state))
             if hasattr(row.drafter, "finish"):
                 row.drafter.finish(row.state, row.out)
         self.done[row.index] = dict(
             id=row.request.id, index=row.index, tokens=row.out, rounds=row.rounds,
             context_len=len(row.request.prompt_ids), prefill_ms=row.request.prefill.ms,
-            decode_ms=(time.perf_counter() - row.start) * 1e3, kv_bytes_peak=row.kv_peak,
-            drafter_bytes_peak=row.drafter_peak)
+            decode_ms=(time.perf_counter() - row.start) * 1e3, kv_bytes_peak=kv_peak,
+            drafter_bytes_peak=drafter_peak)
 
     def _draft(self) -> List[tuple]:
         """(tokens [n_b], probs) per row (empty rows: nothing)."""
@@ -137,8 +163,13 @@ class _Loop:
         for b, row in enumerate(self.rows):
             if row is None or row.drafter is None:
                 out[b] = (torch.empty(0, dtype=torch.long), None)
+            elif hasattr(row.drafter, "draft_tree"):
+                branches, row.state = row.drafter.draft_tree(row.state, row.feats, row.anchor,
+                                                             self.cache.lengths[b], T, row.generator)
+                out[b] = _TreeDraft(build_tree(row.anchor, branches), branches)
             elif hasattr(row.drafter, "draft_rows") or hasattr(row.drafter, "draft_history_rows"):
-                groups.setdefault((id(row.drafter), hasattr(row.drafter, "draft_rows")), []).append(b)
+                free = hasattr(row.drafter, "draft_rows")  # history-free, else per-row histories
+                groups.setdefault((id(row.drafter), free), []).append(b)
             else:
                 tok, q, row.state = row.drafter.draft(row.state, row.feats, row.anchor,
                                                       self.cache.lengths[b], T, row.generator)
@@ -159,25 +190,42 @@ class _Loop:
         return out
 
     def _block(self, drafts: List[tuple]) -> tuple:
-        """Input ids [B, n] (anchor + drafts, padded with the anchor) and n."""
-        n = 1 + max(int(t.numel()) for t, _ in drafts)
-        ids = torch.zeros(len(drafts), n, dtype=torch.long)
-        for b, (row, (tok, _)) in enumerate(zip(self.rows, drafts)):
+        """Input ids [B, n] (anchor + drafts, padded with the anchor) and n; with token
+        trees also each slot's depth [B, n] and which slots it sees [B, n, n] (else
+        None, None: chains, the cache's default positions and causal mask)."""
+        if not any(isinstance(d, _TreeDraft) for d in drafts):
+            n = 1 + max(int(t.numel()) for t, _ in drafts)
+            ids = torch.zeros(len(drafts), n, dtype=torch.long)
+            for b, (row, (tok, _)) in enumerate(zip(self.rows, drafts)):
+                ids[b] = row.anchor if row is not None else 0
+                ids[b, 1:1 + tok.numel()] = tok.cpu()
+            return ids.to(self.dev), n, None, None
+        nodes = []
+        for row, d in zip(self.rows, drafts):
             anchor = row.anchor if row is not None else 0
-            ids[b] = anchor
-            ids[b, 1:1 + tok.numel()] = tok.cpu()
-        return ids.to(self.dev), n
+            nodes.append((d.tree.tokens, d.tree.parent, d.tree.depth) if isinstance(d, _TreeDraft)
+                         else _chain(anchor, d[0].cpu()))
+        n = max(len(t) for t, _, _ in nodes)
+        ids = torch.zeros(len(drafts), n, dtype=torch.long)
+        depths = torch.zeros(len(drafts), n, dtype=torch.long)
+        within = torch.zeros(len(drafts), n, n, dtype=torch.bool)
+        for b, (tokens, parents, depth) in enumerate(nodes):
+            ids[b] = tokens[0]
+            ids[b, :len(tokens)] = torch.tensor(tokens)
+            depths[b, :len(depth)] = torch.tensor(depth)
+            within[b] = _ancestors(parents, n)
+        return ids.to(self.dev), n, depths, within
 
     def round(self, cap) -> None:
         t0 = time.perf_counter()
         drafts = self._draft()
         _sync(self.dev)
         t1 = time.perf_counter()
-        ids, n = self._block(drafts)
+        ids, n, depths, within = self._block(drafts)
         dtype = next(self.target.parameters()).dtype
         logits = target_forward(self.target, ids, 0, self.cache.cache,
-                                position_ids=self.cache.positions(n, self.dev),
-                                attention_mask=self.cache.mask(n, dtype, self.dev))
+                                position_ids=self.cache.positions(n, self.dev, depths),
+                                attention_mask=self.cache.mask(n, dtype, self.dev, within))
         _sync(self.dev)
         t2 = time.perf_counter()
         feats = cap.row_features() if self.layers else None
@@ -188,13 +236,18 @@ class _Loop:
                     padding_share=self.cache.padding_share())
         self.steps.append({**step, **self._refill()})
 
-    def _verify(self, drafts, logits, feats) -> List[int]:
-        """Per row: the rule on its own logits; returns the cache slots each row keeps."""
+    def _verify(self, drafts, logits, feats) -> list:
+        """Per row: the rule on its own logits; returns the cache slots each row keeps
+        (a count: the first ones; a list: a tree's accepted path)."""
         kept = []
-        for b, (row, (tok, q)) in enumerate(zip(self.rows, drafts)):
+        for b, (row, d) in enumerate(zip(self.rows, drafts)):
             if row is None:
                 kept.append(0)
                 continue
+            if isinstance(d, _TreeDraft):
+                kept.append(self._verify_tree(b, row, d, logits, feats))
+                continue
+            tok, q = d
             tok = tok.to(self.dev)
             q = q.to(self.dev) if q is not None else None
             if q is None and self.sampling["temperature"] > 0:  # nothing drafted: a plain step
@@ -211,6 +264,24 @@ class _Loop:
             row.anchor = nxt
             kept.append(a + 1)
         return kept
+
+    def _verify_tree(self, b: int, row: _Row, d: _TreeDraft, logits, feats) -> List[int]:
+        """Row b's tree walked by the batch-1 rule (`verify_tree`); the slots of its
+        accepted path, the anchor's first."""
+        path, nxt = verify_tree(d.tree, d.branches, logits[b, :len(d.tree.tokens)],
+                                **{**self.sampling, "generator": row.generator})
+        t, last = self.cache.lengths[b], (path[-1] if path else 0)
+        if feats is not None:  # tree drafters are history-free: the last kept slot's
+            row.feats = feats[b, last: last + 1]
+        emit = [d.tree.tokens[i] for i in path] + [nxt]
+        row.state, extra = row.drafter.tree_verified(row.state, d.branches, emit)
+        before = len(row.out)
+        finished = _extend(row.out, emit, self.eos, self.max_new)
+        row.rounds.append(dict(context_len=t, accepted=len(path), drafted=max([len(x.tokens) for x in d.branches] or [0]),
+                               verified=d.tree.size, source=extra.get("source"), emitted=len(row.out) - before,
+                               finished=finished))
+        row.anchor = nxt
+        return [0, *path]
 
     def _refill(self) -> dict:
         """Finished rows take the next requests; once the queue is empty, empty rows are

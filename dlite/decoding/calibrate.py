@@ -36,8 +36,8 @@ def calibration_builders(ev, primary, vocab_size: int) -> Dict[str, object]:
     gamma = ev.lookup_gamma or primary.gamma
     budget = 4 * max(gamma, primary.gamma)  # above any chain pair, and room for a suffix tree
 
-    def one(model, lk):
-        return TreeHybrid(model, lk, Calibration(), FLAT, budget)
+    def one(model, lk):  # the learned drafter in every round: each is an observation of it
+        return TreeHybrid(model, lk, Calibration(), FLAT, budget, skip_model=False)
     return {f"calib_{m}": (lambda m=m: _hybrid(primary, [_TOKEN_DRAFTERS[m](ev, vocab_size, gamma)], one))
             for m in scored_token_methods(ev.hybrids)}
 
@@ -63,7 +63,7 @@ def fit_calibration(target, tokenizer, ev, primary, vocab_size: int, records: li
     out = fit(obs, {"records": [r.get("id") for r in records], "tasks": tasks,
                     "methods": sorted(builders)}).to_dict()
     if ev.measure_verify_cost:
-        out["cost"] = measure_cost(target, cost_context(ev))
+        out["cost"] = measure_cost(target, cost_context(ev), threads=ev.threads, drafter=primary)
     return out
 
 
@@ -80,7 +80,7 @@ def cost_curve(ev, calibration: dict = None) -> CostCurve:
     calibration when there is one, else eval.verify_cost_tokens -> eval.verify_cost."""
     measured = (calibration or {}).get("cost")
     if measured:
-        return CostCurve(tuple(measured["tokens"]), tuple(measured["costs"]))
+        return CostCurve(tuple(measured["tokens"]), tuple(measured["costs"]), measured.get("draft", 0.0))
     return CostCurve(tuple(ev.verify_cost_tokens), tuple(ev.verify_cost))
 
 
@@ -109,14 +109,40 @@ def forward_ms(model, context: int, sizes: Sequence[int], reps: int = 3, seed: i
     return out
 
 
-def measure_cost(target, context: int, sizes: Sequence[int] = COST_SIZES, reps: int = 5) -> dict:
-    """The verify-cost curve measured here: {"tokens", "costs" (decode steps: m tokens'
-    forward over one token's, never below the previous point: a faster larger forward
-    is timing noise), "context", "decode_ms", "reps"}; `CostCurve(tokens, costs)`."""
-    ms = forward_ms(target, context, sizes, reps)
-    costs, floor = [], 1.0
+@torch.no_grad()
+def draft_ms(target, drafter, reps: int = 5) -> float:
+    """The best of `reps` greedy drafts of `drafter` (history-free: its cost does not
+    grow with the context), from the features of a short real prefill."""
+    from dlite.decoding.decode import _new_state, prefill
+    ids = list(range(1, 33))
+    pre = prefill(target, ids, drafter.target_layer_ids)
+    feats, times = pre.features(drafter.target_layer_ids, False), []
+    for _ in range(reps):
+        state = _new_state(drafter, ids)
+        t = time.perf_counter()
+        drafter.draft(state, feats, 1, len(ids), 0.0)
+        times.append((time.perf_counter() - t) * 1000)
+    return min(times)
+
+
+def measure_cost(target, context: int, sizes: Sequence[int] = COST_SIZES, reps: int = 5,
+                 threads: int = None, drafter=None) -> dict:
+    """The verify-cost curve measured here, with `threads` torch threads (the timed
+    replay's: how a forward's cost grows with its tokens depends on the threads it
+    spreads over): {"tokens", "costs" (decode steps: m tokens' forward over one
+    token's, never below the previous point: a faster larger forward is timing noise),
+    "draft" (one draft of `drafter` in decode steps; 0 without one), "context",
+    "decode_ms", "draft_ms", "reps", "threads"}; `cost_curve` makes the `CostCurve`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        ms = forward_ms(target, context, sizes, reps)
+        d_ms = draft_ms(target, drafter, reps) if drafter is not None else 0.0
+    finally:
+        torch.set_num_threads(before)
+    costs, floor, step = [], 1.0, ms[sizes[0]]
     for m in sizes:
-        floor = max(floor, ms[m] / ms[sizes[0]])
+        floor = max(floor, ms[m] / step)
         costs.append(round(floor, 4))
-    return {"tokens": list(sizes), "costs": costs, "context": int(context),
-            "decode_ms": round(ms[sizes[0]], 3), "reps": reps}
+    return {"tokens": list(sizes), "costs": costs, "draft": round(d_ms / step, 4), "context": int(context),
+            "decode_ms": round(step, 3), "draft_ms": round(d_ms, 3), "reps": reps, "threads": threads or before}

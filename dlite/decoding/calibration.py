@@ -22,7 +22,7 @@ the same at every slot, so without depth a long right copy was scored like a sho
 one and cut).
 
 `CostCurve`: verifying m tokens (anchor included) costs cost(m) decode steps, linear
-between measured points. The default is this project's CPU measurement (SmolLM2-135M
+between measured points, and running the learned drafter costs `draft` steps more. The default is this project's CPU measurement (SmolLM2-135M
 at 4K context, `jobs.benchmark target_probe` step costs: 1 / 2 / 4 / 8 tokens cost
 1.0 / 1.4 / 1.6 / 2.2 decode steps); `eval.verify_cost_tokens` / `eval.verify_cost`
 set another machine's."""
@@ -172,9 +172,12 @@ def expected_accepted(slot_probs: Sequence[float]) -> List[float]:
 
 @dataclasses.dataclass
 class CostCurve:
-    """cost(m): decode steps one verification of m tokens (anchor included) costs."""
+    """cost(m): decode steps one verification of m tokens (anchor included) costs;
+    `draft`: decode steps one learned drafter's draft costs (what running it at all in
+    a round costs, whatever is verified after)."""
     tokens: Tuple[int, ...] = (1, 2, 4, 8)
     costs: Tuple[float, ...] = (1.0, 1.4, 1.6, 2.2)
+    draft: float = 0.0
 
     def __call__(self, m: int) -> float:
         t, c = self.tokens, self.costs
@@ -190,7 +193,8 @@ class CostCurve:
         """Tokens per decode-step of cost: (accepted + the bonus) / cost(n + 1)."""
         return (1.0 + expected) / self(n + 1)
 
-    def best_prefix(self, slot_probs: Sequence[float]) -> Tuple[int, float]:
-        """(prefix length, its value) with the most tokens per unit of cost."""
-        exp = expected_accepted(slot_probs)
-        return max(((n, self.value(e, n)) for n, e in enumerate(exp)), key=lambda kv: kv[1])
+    def best_prefix(self, slot_probs: Sequence[float], drafted: bool = False) -> Tuple[int, float]:
+        """(prefix length, its value) with the most tokens per unit of cost; `drafted`:
+        the learned drafter's draft cost counted too (deciding whether to run it)."""
+        exp, extra = expected_accepted(slot_probs), self.draft if drafted else 0.0
+        return max(((n, (1.0 + e) / (self(n + 1) + extra)) for n, e in enumerate(exp)), key=lambda kv: kv[1])

@@ -36,7 +36,8 @@ class _Proposers:
     """The proposers of one prompt (the learned drafter and each token drafter, with
     its own accepted-sequence state) and how their proposals are scored."""
 
-    def __init__(self, model, lookups, calibration: Optional[Calibration] = None, cost: Optional[CostCurve] = None):
+    def __init__(self, model, lookups, calibration: Optional[Calibration] = None, cost: Optional[CostCurve] = None,
+                 skip_model: bool = True):
         if model.needs_history:
             raise ValueError("the hybrid needs a history-free drafter: one with a history "
                              "cache would miss the positions of the rounds lookup drafts")
@@ -44,7 +45,7 @@ class _Proposers:
         sources = [_source(lk) for lk in self.lookups]
         if not sources or len(set(sources)) != len(sources):
             raise ValueError(f"a hybrid takes one token drafter per source, got {sources}")
-        self.model = model
+        self.model, self.skip_model = model, skip_model
         self.calibration, self.cost = calibration or Calibration(), cost or CostCurve()
         self.vocab_size = self.lookups[0].vocab_size
         self.gamma = max(model.gamma, *(lk.gamma for lk in self.lookups))
@@ -89,9 +90,16 @@ class _Proposers:
         return self.calibration.slot_probs(br.source, br.feats)
 
     def ceiling(self) -> float:
-        """The best value any learned block could have (every slot at the map's top)."""
+        """The best value any learned block could have (every slot at the map's top),
+        its draft cost counted: what running the learned drafter could be worth."""
         tops = [self.calibration.prob("model", 1.0, k) for k in range(self.model.gamma)]
-        return self.cost.best_prefix(tops)[1]
+        return self.cost.best_prefix(tops, drafted=True)[1]
+
+    def model_worth_running(self, token_value: Optional[float]) -> bool:
+        """Run the learned drafter only where it could beat the token proposals' value
+        (None: there are none). Reads deterministic proposals and the calibration only,
+        so the choice never depends on a draw (exact at T > 0)."""
+        return not self.skip_model or token_value is None or token_value < self.ceiling()
 
     def finish(self, state, new_tokens: List[int]) -> None:
         for lk, seq in zip(self.lookups, state["seq"]):
@@ -112,9 +120,8 @@ class ChooseHybrid(_Proposers):
         for br in self.token_branches(state, anchor_id, anchor_pos):
             n, v = self.cost.best_prefix(self.slot_probs(br))
             options.append((v, br, n))
-        best_token = max((o[0] for o in options), default=None)
         # Skip the learned drafter (its draft time too) when it cannot win this round.
-        if best_token is None or best_token < self.ceiling():
+        if self.model_worth_running(max((o[0] for o in options), default=None)):
             br = self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator)
             n, v = self.cost.best_prefix(self.slot_probs(br))
             options.append((v, br, min(n, len(br.tokens))))
@@ -134,8 +141,8 @@ class ChooseHybrid(_Proposers):
 class TreeHybrid(_Proposers):
     """Per round every proposal, as one token tree of at most `budget` draft tokens."""
 
-    def __init__(self, model, lookup, calibration=None, cost=None, budget: int = 16):
-        super().__init__(model, lookup, calibration, cost)
+    def __init__(self, model, lookup, calibration=None, cost=None, budget: int = 16, skip_model: bool = True):
+        super().__init__(model, lookup, calibration, cost, skip_model)
         if budget < 1:
             raise ValueError(f"tree budget must be >= 1, got {budget}")
         self.budget = budget
@@ -143,15 +150,20 @@ class TreeHybrid(_Proposers):
     def draft_tree(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
                    generator: Optional[torch.Generator] = None) -> tuple:
         branches = self.token_branches(state, anchor_id, anchor_pos, tree_nodes=self.budget)
-        branches.append(self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator))
-        keep = self._allocate(branches, sampled=temperature > 0)
+        sampled = temperature > 0
+        # The learned drafter joins the tree only where it could add value: skipped
+        # when the token branches alone are worth more than any learned block could be.
+        if self.model_worth_running(self._allocate(branches, sampled)[1] if branches else None):
+            branches.append(self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator))
+        keep, _ = self._allocate(branches, sampled)
         return [b.cut(k) for b, k in zip(branches, keep) if k], state
 
-    def _allocate(self, branches: List[Branch], sampled: bool) -> List[int]:
-        """Tokens kept per branch: nodes by value (the product of calibrated slot
-        probabilities to them), as many as maximise (1 + sum of values) / cost(N + 1).
-        Nodes are keyed by their path, so shared prefixes count once -- except the
-        learned drafter's when sampling, whose tokens must not decide what is kept."""
+    def _allocate(self, branches: List[Branch], sampled: bool) -> tuple:
+        """(tokens kept per branch, the tree's value): nodes by value (the product of
+        calibrated slot probabilities to them), as many as maximise (1 + sum of values)
+        / cost(N + 1). Nodes are keyed by their path, so shared prefixes count once --
+        except the learned drafter's when sampling, whose tokens must not decide what
+        is kept."""
         nodes = {}
         for b, br in enumerate(branches):
             run = 1.0
@@ -173,7 +185,7 @@ class TreeHybrid(_Proposers):
                                           else tuple(br.tokens[: k + 1])) in chosen:
                 k += 1
             keep.append(k)
-        return keep
+        return keep, best_v
 
     def tree_verified(self, state, branches: List[Branch], emit: List[int]) -> tuple:
         """After verification: the sequence learns the accepted tokens; the record gets

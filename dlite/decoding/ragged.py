@@ -13,6 +13,10 @@ shorter row carries (attention over masked slots), reported by `padding_share`.
 The alternative, rejected slots left in place and masked ("holes"), would need no move
 but grows the cache by n slots per round for every row and needs compaction later.
 
+A round may verify a token tree per row instead of a chain (`positions(depths=)`,
+`mask(within=)`): row b keeps the slots of its accepted path, gathered behind its
+history (`commit` with a list of slots).
+
 A finished row is refilled with the next request's prefill (`place`): its entries are
 copied into the row's slots (the cache grows to the new row's length if it is longer).
 Rows with no request left are removed (`drop_rows`), so a draining batch shrinks as a
@@ -194,32 +198,45 @@ class RaggedCache:
         self.lengths = [self.lengths[i] for i in keep]
         self._shrink()
 
-    def positions(self, n: int, device) -> torch.Tensor:
-        """[B, n]: each row's next n positions (row b's block starts at len_b)."""
+    def positions(self, n: int, device, depths: torch.Tensor = None) -> torch.Tensor:
+        """[B, n]: each row's next n positions (row b's block starts at len_b); `depths`
+        [B, n]: each slot's offset from its row's start instead (a token tree's depths)."""
         start = torch.tensor(self.lengths, device=device)[:, None]
-        return start + torch.arange(n, device=device)[None]
+        return start + (torch.arange(n, device=device)[None] if depths is None else depths.to(device))
 
-    def mask(self, n: int, dtype, device) -> torch.Tensor:
+    def mask(self, n: int, dtype, device, within: torch.Tensor = None) -> torch.Tensor:
         """Additive [B, 1, n, L + n]: row b's queries see its own len_b slots, then its
-        block causally; padding slots of shorter rows are never seen."""
+        block causally (`within` [B, n, n] bool: which block slots each slot sees
+        instead, a token tree's ancestors); padding slots of shorter rows are never seen."""
         L = self.length
         k = torch.arange(L + n, device=device)
         hist = k[None] < torch.tensor(self.lengths, device=device)[:, None]           # [B, L+n]
-        causal = (k[None] - L) <= torch.arange(n, device=device)[:, None]             # [n, L+n]
-        allowed = (hist[:, None] & (k[None, None] < L)) | ((k[None, None] >= L) & causal[None])
+        if within is None:
+            within = (torch.arange(n, device=device)[None] <= torch.arange(n, device=device)[:, None])[None]
+        allowed = torch.zeros(len(self.lengths), n, L + n, dtype=torch.bool, device=device)
+        allowed[..., :L] = hist[:, None, :L]
+        allowed[..., L:] = within.to(device)
         out = torch.zeros(allowed.shape, dtype=dtype, device=device)
         return out.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
-    def commit(self, n: int, kept: Sequence[int]) -> None:
+    def commit(self, n: int, kept: Sequence) -> None:
         """After a forward of n slots per row at L..L+n-1 (L before it): row b keeps its
-        first kept[b] of them, moved to follow its history; the rest is dropped."""
+        first kept[b] of them, or (a list) the slots at those offsets in that order (a
+        token tree's accepted path), moved to follow its history; the rest is dropped."""
         L = self.length - n
+        picks = [k if isinstance(k, list) else list(range(k)) for k in kept]
         for la in _layers(self.cache):
-            for b, (start, k) in enumerate(zip(self.lengths, kept)):
-                if k and start != L:
-                    la.keys[b, :, start:start + k] = la.keys[b, :, L:L + k].clone()
-                    la.values[b, :, start:start + k] = la.values[b, :, L:L + k].clone()
-        self.lengths = [s + k for s, k in zip(self.lengths, kept)]
+            for b, (start, idx) in enumerate(zip(self.lengths, picks)):
+                if not idx or (start == L and idx == list(range(len(idx)))):
+                    continue  # already in place
+                if idx == list(range(len(idx))):  # a prefix: one slice
+                    la.keys[b, :, start:start + len(idx)] = la.keys[b, :, L:L + len(idx)].clone()
+                    la.values[b, :, start:start + len(idx)] = la.values[b, :, L:L + len(idx)].clone()
+                else:  # scattered slots: an index gather (a copy) first
+                    src = torch.tensor([L + i for i in idx], device=la.keys.device)
+                    la.keys[b, :, start:start + len(idx)] = la.keys[b][:, src]
+                    la.values[b, :, start:start + len(idx)] = la.values[b][:, src]
+        self.lengths = [s + len(idx) for s, idx in zip(self.lengths, picks)]
         self._shrink()
 
     def row_bytes(self, row: int) -> int:

@@ -5,7 +5,7 @@ sampling loop."""
 
 import contextlib
 import contextvars
-from typing import List, Optional, Protocol, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -219,11 +219,18 @@ def embed_in(model, ids):
 
 
 
+def block_rows(model, anchors: Sequence[int], positions: Sequence[int], device):
+    """Backbone input [B, g, hid] for B blocks [anchor, MASK...] and their positions
+    [B, g] (row b's block starts at positions[b])."""
+    ids = torch.full((len(anchors), model.gamma), model.vocab.mask_token_id, device=device)
+    ids[:, 0] = torch.as_tensor(list(anchors), dtype=torch.long, device=device)
+    offs = torch.arange(model.gamma, device=device)
+    return embed_in(model, ids), torch.as_tensor(list(positions), device=device)[:, None] + offs
+
+
 def block_inputs(model, anchor_id: int, anchor_pos: int, device):
     """Backbone input [1, g, hid] for [anchor, MASK...] and its positions [1, g]."""
-    ids = torch.full((1, model.gamma), model.vocab.mask_token_id, device=device)
-    ids[0, 0] = anchor_id
-    return embed_in(model, ids), anchor_pos + torch.arange(model.gamma, device=device)[None]
+    return block_rows(model, [anchor_id], [anchor_pos], device)
 
 
 # ---------------------------------------------------------------- training layout

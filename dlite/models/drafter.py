@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from dlite.models.common import as_batched, block_inputs, block_layout, embed_in, gather_positions, init_weights
+from dlite.models.common import (as_batched, block_inputs, block_layout, block_rows, embed_in, gather_positions,
+                                 init_weights)
 from dlite.models.config import DrafterConfig
 from dlite.models.heads import build_student_parts, context_states, draft_token_rows, draft_tokens, head_logits
 from dlite.models.layers import StaticMemory
@@ -67,11 +68,8 @@ class DLiteDrafter(nn.Module):
         verified position), anchors / positions [B] -> B (tokens, probs) pairs."""
         dev = feats.device
         a = torch.as_tensor(list(anchors), dtype=torch.long, device=dev)
-        ids = torch.full((a.shape[0], self.gamma), self.vocab.mask_token_id, device=dev)
-        ids[:, 0] = a
-        pos = torch.as_tensor(list(positions), device=dev)[:, None] + torch.arange(self.gamma, device=dev)[None]
-        x, mem = self._context(context_states(self, feats.reshape(a.shape[0], self.feature_dim)),
-                               pos[:, :1] - 1, embed_in(self, ids))
+        x, pos = block_rows(self, anchors, positions, dev)
+        x, mem = self._context(context_states(self, feats.reshape(a.shape[0], self.feature_dim)), pos[:, :1] - 1, x)
         return draft_token_rows(self, self.backbone(x, pos, mem), a, temperature, generator)
 
     def cache_bytes(self, state) -> int:

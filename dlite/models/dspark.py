@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from dlite.models.common import (as_batched, attach_target, block_inputs, block_layout, embed_in,
+from dlite.models.common import (as_batched, attach_target, block_inputs, block_layout, block_rows, embed_in,
                                  init_weights, sample_block, sample_rows)
 from dlite.models.config import DrafterConfig
 from dlite.models.history import (HistoryCache, extend_histories, extend_history, packed_block_mask,
@@ -107,7 +107,7 @@ class DSparkDrafter(nn.Module):
             return [], []
         feats = [f.reshape(-1, self.feature_dim) for f in feats]
         extend_histories(self, states, feats, positions)
-        x, pos = self._block_rows(anchors, positions, feats[0].device)
+        x, pos = block_rows(self, anchors, positions, feats[0].device)
         base = self.backbone.logits(rows_forward(self.backbone, x, pos, states), self.vocab.out_weight)
 
         def step(k, prev, _):
@@ -115,13 +115,6 @@ class DSparkDrafter(nn.Module):
         a = torch.as_tensor(list(anchors), dtype=torch.long, device=x.device)
         drafts = sample_rows(step, self.gamma, a, temperature, self.vocab, generator, self.draft_stop_prob)
         return drafts, list(states)
-
-    def _block_rows(self, anchors: Sequence[int], positions: Sequence[int], device):
-        """`block_inputs` for B rows: inputs [B, g, hid] of [anchor, MASK...], positions [B, g]."""
-        ids = torch.full((len(anchors), self.gamma), self.vocab.mask_token_id, device=device)
-        ids[:, 0] = torch.as_tensor(list(anchors), device=device)
-        offs = torch.arange(self.gamma, device=device)
-        return embed_in(self, ids), torch.as_tensor(list(positions), device=device)[:, None] + offs
 
     def cache_bytes(self, state: Optional[HistoryCache]) -> int:
         return 0 if state is None else state.nbytes()

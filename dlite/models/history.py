@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from dlite.models.common import gather_positions
-from dlite.models.layers import Attention, Backbone, apply_rope
+from dlite.models.layers import Attention, Backbone
 
 
 
@@ -136,13 +136,10 @@ def rows_forward(backbone: Backbone, x, positions, caches: Sequence[HistoryCache
 def _rows_attention(attn: Attention, x, cos, sin, caches: Sequence[HistoryCache]):
     """Attention.forward (no mask) with row b's keys joined to caches[b] alone. Each
     row's attention is the very call `draft` makes for that row on its own."""
-    shape = (*x.shape[:-1], -1, attn.head_dim)
-    q = apply_rope(attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2), cos, sin)
-    k, v = attn.project_kv(x, cos, sin)
+    q, (k, v) = attn.query(x, cos, sin), attn.project_kv(x, cos, sin)
     gqa = attn.n_kv != attn.n_heads
     rows = [(q[b:b + 1], *c.join(attn.layer_idx, k[b:b + 1], v[b:b + 1])) for b, c in enumerate(caches)]
-    out = torch.cat([F.scaled_dot_product_attention(*row, enable_gqa=gqa) for row in rows])
-    return attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+    return attn.out(torch.cat([F.scaled_dot_product_attention(*row, enable_gqa=gqa) for row in rows]), x.shape)
 
 
 class PrefixedMemory:

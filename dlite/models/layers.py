@@ -78,9 +78,17 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(shape).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, mem=None, mask=None):
+    def query(self, x, cos, sin):
+        """Queries [B, heads, S, D] of states x [B, S, hidden]."""
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q = apply_rope(self.q_norm(self.q_proj(x).view(shape)).transpose(1, 2), cos, sin)
+        return apply_rope(self.q_norm(self.q_proj(x).view(shape)).transpose(1, 2), cos, sin)
+
+    def out(self, o, x_shape):
+        """The output projection of attention output o [B, heads, S, D]."""
+        return self.o_proj(o.transpose(1, 2).reshape(*x_shape[:-1], -1))
+
+    def forward(self, x, cos, sin, mem=None, mask=None):
+        q = self.query(x, cos, sin)
         k, v = self.project_kv(x, cos, sin)
         if mem is not None:
             k, v = mem.join(self.layer_idx, k, v)
@@ -90,8 +98,7 @@ class Attention(nn.Module):
             # kernel applies; GQA + arbitrary mask can otherwise fall back to math.
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv, dim=1) for t in (k, v))
             gqa = False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa), x.shape)
 
 
 class MLP(nn.Module):

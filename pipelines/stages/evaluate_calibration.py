@@ -45,7 +45,9 @@ def _calibrate(cfg_dict: dict, drafters: Dict[str, str], records: list) -> dict:
     # Imported here, in the worker: the evaluation stage imports this module.
     from pipelines.stages.evaluate import _load
     cfg = OmegaConf.create(cfg_dict)
-    model, tok, learned, vocab = _load(cfg, drafters, 1)
+    # Alone on the machine (before the acceptance workers): eval.threads, as the timed
+    # replay, which is also what the measured cost curve must be timed with.
+    model, tok, learned, vocab = _load(cfg, drafters, cfg.eval.threads)
     primary = next(iter(learned.values()))
     primary.draft_stop_prob = cfg.eval.draft_stop_prob  # as method_builders sets it
     return fit_calibration(model, tok, cfg.eval, primary, vocab, records, cfg.eval.calibration_max_turns)

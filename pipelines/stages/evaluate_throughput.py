@@ -4,9 +4,10 @@ and `python -m jobs.benchmark throughput` (`pipelines.benchmarks.throughput`).
 
 Requests are held-out turns whose history is lo..hi tokens, spread over every such
 turn; each is prefilled once (capturing what every learned drafter reads) and shared by
-every run. Methods: the learned drafters, `eval.baselines` and the choose hybrids of
-`eval.hybrids` (`dlite.decoding.methods`); tree hybrids and the per-request vocabulary
-are not batched (`dlite.decoding.batch`) and are listed as skipped. The measuring
+every run. Methods: the learned drafters, `eval.baselines` and `eval.hybrids`, choose
+and tree hybrids alike (`dlite.decoding.methods`; a tree hybrid's rows verify token
+trees in the batched forward, `dlite.decoding.batch`); the per-request vocabulary is
+not batched and is listed as skipped. The measuring
 itself is `dlite.bench.throughput`: closed loop, one warm-up batch dropped, plain
 decoding batched the same way at every concurrency, lossless checked per request."""
 
@@ -41,12 +42,10 @@ def heldout_turns(cfg, tok, n: int, lo: int, hi: Optional[int], reads=HELDOUT_RE
 
 
 def batched_methods(ev, learned: dict, vocab: int, calibration: Optional[dict] = None) -> tuple:
-    """({name: build}, skipped names): learned drafters, baselines, choose hybrids."""
-    from dlite.decoding.methods import hybrid_rule, method_builders
-    linear = [h for h in ev.hybrids if hybrid_rule(h) != "tree"]
-    skipped = [h for h in ev.hybrids if hybrid_rule(h) == "tree"] + (["context_vocab"] if ev.context_vocab else [])
-    return method_builders(OmegaConf.merge(ev, {"context_vocab": False, "hybrids": linear}),
-                           learned, vocab, calibration), skipped
+    """({name: build}, skipped names): learned drafters, baselines, hybrids."""
+    from dlite.decoding.methods import method_builders
+    skipped = ["context_vocab"] if ev.context_vocab else []
+    return method_builders(OmegaConf.merge(ev, {"context_vocab": False}), learned, vocab, calibration), skipped
 
 
 def throughput_report(cfg, model, tok, learned: dict, vocab: int, prompts: List[List[int]],

@@ -2,10 +2,11 @@
 Qwen3 target: every request's greedy output equals its own batch-1 plain greedy output
 at concurrency 1, 3 and 8 with histories of very different lengths (plain, oracle,
 half-right, DLite with its one-pass `draft_rows`, DSpark-style with its one-pass
-`draft_history_rows`, a history-reading drafter), the
-ragged cache keeps exactly what a one-row cache would, DLite's batched draft is its
-per-row draft, finished rows are refilled in stream order, and a history-free drafter
-holds no state per request."""
+`draft_history_rows`, a history-reading drafter, a tree hybrid of prompt lookup,
+SuffixDecoding and DLite, crafted token trees), the ragged cache keeps exactly what a
+one-row cache would (a tree's accepted path too), DLite's batched draft is its per-row
+draft, finished rows are refilled in stream order, and a history-free drafter holds no
+state per request."""
 
 import pytest
 import torch
@@ -53,6 +54,20 @@ class FeatureChecked(TargetAsDrafter):
         return super().draft(state, feats, anchor_id, anchor_pos, temperature, generator)
 
 
+def tree_hybrid(target):
+    """A tree hybrid (prompt lookup + SuffixDecoding + DLite) rated so that every
+    proposer's branch is verified: real trees of several branches in every row."""
+    from dlite.decoding.calibration import BinnedMap, Calibration
+    from dlite.decoding.hybrid import TreeHybrid
+    from dlite.decoding.lookup import PromptLookupDrafter
+    from dlite.decoding.suffix import SuffixDecoding
+    model = dlite_drafter(target, list(range(128)))
+    rated = Calibration({"model": BinnedMap((0.0,), [0.9, 0.9], [0, 0]),
+                         "lookup": BinnedMap((2,), [0.9, 0.9], [0, 0])})
+    sx = SuffixDecoding(128, gamma=GAMMA)
+    return lambda p: TreeHybrid(model, [PromptLookupDrafter(p, 128, gamma=GAMMA), sx(p)], rated, budget=10)
+
+
 MAKERS = {
     "plain": lambda t: None,
     "oracle": lambda t: (lambda p: TargetAsDrafter(t, p, GAMMA, target_layer_ids=[0, 1])),
@@ -60,6 +75,7 @@ MAKERS = {
     "history": lambda t: (lambda p: FeatureChecked(t, p, GAMMA, target_layer_ids=[0, 1])),
     "dlite": lambda t: dlite_drafter(t, list(range(128))),
     "dspark": lambda t: dspark_drafter(t),
+    "tree_hybrid": tree_hybrid,
 }
 
 
@@ -178,14 +194,47 @@ def test_sampling_runs_per_row_and_repeats_with_the_seed(target, prompts):
     assert all(0 <= t < 128 for r in runs[0]["requests"] for t in r["tokens"])
 
 
-def test_tree_hybrids_are_refused(target, prompts):
-    class Tree:
-        target_layer_ids, needs_history, gamma = [0], False, 4
+@pytest.mark.parametrize("concurrency", [1, 3, 8])
+@pytest.mark.parametrize("mode,accepted", [("shared", 3), ("both_wrong", 0), ("second", 2), ("to_end", 4)])
+def test_crafted_trees_in_a_batch_are_lossless(target, prompts, reference, mode, accepted, concurrency):
+    """Every row verifies its own crafted two-branch tree (shared prefixes, both wrong,
+    the second right, a branch to the block's end) in the batched forward: each keeps
+    its accepted path -- scattered slots when the second branch wins -- and equals its
+    own plain greedy output."""
+    from tests.unit.test_tree import CraftedTrees
+    refs = {tuple(p): ref for p, ref in zip(prompts, reference)}
+    res = batched_generate(target, lambda p: CraftedTrees(p, refs[tuple(p)], mode), _requests(target, prompts),
+                           concurrency, MAX_NEW)
+    for r, ref, p in zip(res["requests"], reference, prompts):
+        assert r["tokens"] == ref, (mode, concurrency, r["index"])
+        full = [x for x in r["rounds"] if x["context_len"] - len(p) + 1 + 4 <= len(ref)]  # truth known
+        assert full and all(x["accepted"] == accepted for x in full), (mode, r["index"])
+        assert all(x["verified"] == {"shared": 6, "both_wrong": 8, "second": 8, "to_end": 6}[mode] for x in r["rounds"])
 
-        def draft_tree(self, *a):
-            raise AssertionError("never called")
-    with pytest.raises(ValueError, match="tree"):
-        batched_generate(target, Tree(), _requests(target, prompts[:2]), 2, 4)
+
+def test_ragged_cache_keeps_a_tree_path(target):
+    """A row verifying a tree keeps its accepted path's slots (not a prefix of the
+    block) behind its history: the next logits equal a fresh forward over the path."""
+    from dlite.decoding.batch import _ancestors
+    a, b = [3, 9, 27, 81, 5], list(range(40, 52))
+    rc = RaggedCache(target, 2)
+    with torch.inference_mode():
+        for row, p in enumerate((a, b)):
+            rc.place(row, prefill(target, p).cache)
+        # row 0: a chain 7 8 9 10; row 1: anchor 11 -> {12 -> 13, 14} (nodes 0..3)
+        block = torch.tensor([[7, 8, 9, 10], [11, 12, 13, 14]])
+        depths = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 1]])
+        within = torch.stack([_ancestors([-1, 0, 1, 2], 4), _ancestors([-1, 0, 1, 0], 4)])
+        target_forward(target, block, 0, rc.cache, position_ids=rc.positions(4, "cpu", depths),
+                       attention_mask=rc.mask(4, torch.float32, "cpu", within))
+        rc.commit(4, [2, [0, 3]])  # row 0: 7 8; row 1: 11 14 (the second branch)
+        assert rc.lengths == [7, 14]
+        nxt = torch.tensor([[60], [61]])
+        got = target_forward(target, nxt, 0, rc.cache, position_ids=rc.positions(1, "cpu"),
+                             attention_mask=rc.mask(1, torch.float32, "cpu"))
+        for row, seq in enumerate((a + [7, 8, 60], b + [11, 14, 61])):
+            fresh = target_forward(target, torch.tensor(seq), 0, new_cache(target))[-1]
+            assert torch.allclose(got[row, -1], fresh, atol=1e-5)
 
 
 def test_a_ragged_cache_that_forgets_to_move_kept_slots_breaks_losslessness(target, prompts, reference,
