@@ -119,6 +119,18 @@ class Calibration:
     def slot_probs(self, source: str, feats: Sequence[float]) -> List[float]:
         return [self.prob(source, x, k) for k, x in enumerate(feats)]
 
+    def typical_probs(self, source: str, n: int) -> List[float]:
+        """P(slot k accepted | the slots before it) for k < n, averaged over the features
+        the fit saw at that depth (weighted by its observations): what a block of
+        `source` is worth before it is drafted. Unfitted: the map's top, as sure as it
+        could be."""
+        out = []
+        for k in range(n):
+            m = self.by_depth[source][depth_bin(k)] if source in self.by_depth else None
+            seen = sum(m.n) if m else 0
+            out.append(sum(p * c for p, c in zip(m.p, m.n)) / seen if seen else self.prob(source, 1.0, k))
+        return out
+
     def to_dict(self) -> dict:
         return {"maps": {s: m.to_dict() for s, m in self.maps.items()},
                 "by_depth": {s: [m.to_dict() for m in ms] for s, ms in self.by_depth.items()},

@@ -89,17 +89,17 @@ class _Proposers:
     def slot_probs(self, br: Branch) -> List[float]:
         return self.calibration.slot_probs(br.source, br.feats)
 
-    def ceiling(self) -> float:
-        """The best value any learned block could have (every slot at the map's top),
-        its draft cost counted: what running the learned drafter could be worth."""
-        tops = [self.calibration.prob("model", 1.0, k) for k in range(self.model.gamma)]
-        return self.cost.best_prefix(tops, drafted=True)[1]
+    def model_value(self) -> float:
+        """What running the learned drafter is worth before it drafts: the value of its
+        typical block (the calibration's acceptance per depth, averaged over what the
+        fit saw; unfitted: as sure as it could be), its draft cost counted."""
+        return self.cost.best_prefix(self.calibration.typical_probs("model", self.model.gamma), drafted=True)[1]
 
     def model_worth_running(self, token_value: Optional[float]) -> bool:
-        """Run the learned drafter only where it could beat the token proposals' value
-        (None: there are none). Reads deterministic proposals and the calibration only,
-        so the choice never depends on a draw (exact at T > 0)."""
-        return not self.skip_model or token_value is None or token_value < self.ceiling()
+        """Run the learned drafter only where its typical block beats the token
+        proposals' value (None: there are none). Reads deterministic proposals and the
+        calibration only, so the choice never depends on a draw (exact at T > 0)."""
+        return not self.skip_model or token_value is None or token_value < self.model_value()
 
     def finish(self, state, new_tokens: List[int]) -> None:
         for lk, seq in zip(self.lookups, state["seq"]):

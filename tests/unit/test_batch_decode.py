@@ -139,28 +139,59 @@ def test_eos_and_budget_end_rows_early(target, prompts, reference):
         assert r["tokens"] == ref[:cut]
 
 
+ROW_A, ROW_B = [3, 9, 27, 81, 5], list(range(40, 52))
+
+
+def _two_rows(target) -> RaggedCache:
+    """A ragged cache holding ROW_A and ROW_B's prefills."""
+    rc = RaggedCache(target, 2)
+    for row, p in enumerate((ROW_A, ROW_B)):
+        rc.place(row, prefill(target, p).cache)
+    return rc
+
+
+def _next_logits_match(target, rc, seqs) -> None:
+    """One more token per row: its logits equal a fresh forward over that row's
+    sequence `seqs[row]` (history + what it kept + that token)."""
+    nxt = torch.tensor([[s[-1]] for s in seqs])
+    got = target_forward(target, nxt, 0, rc.cache, position_ids=rc.positions(1, "cpu"),
+                         attention_mask=rc.mask(1, torch.float32, "cpu"))
+    for row, seq in enumerate(seqs):
+        fresh = target_forward(target, torch.tensor(seq), 0, new_cache(target))[-1]
+        assert torch.allclose(got[row, -1], fresh, atol=1e-5)
+
+
 def test_ragged_cache_keeps_what_a_one_row_cache_keeps(target):
     """Two rows of different lengths, a round of 4 slots, rows keeping 1 and 3: the next
     token's logits per row equal a fresh forward over that row's kept sequence."""
-    a, b = [3, 9, 27, 81, 5], list(range(40, 52))
-    rc = RaggedCache(target, 2)
     with torch.inference_mode():
-        for row, p in enumerate((a, b)):
-            rc.place(row, prefill(target, p).cache)
+        rc = _two_rows(target)
         block = torch.tensor([[7, 8, 9, 10], [11, 12, 13, 14]])
         target_forward(target, block, 0, rc.cache, position_ids=rc.positions(4, "cpu"),
                        attention_mask=rc.mask(4, torch.float32, "cpu"))
         rc.commit(4, [1, 3])
         assert rc.lengths == [6, 15] and rc.length == 15
-        nxt = torch.tensor([[60], [61]])
-        got = target_forward(target, nxt, 0, rc.cache, position_ids=rc.positions(1, "cpu"),
-                             attention_mask=rc.mask(1, torch.float32, "cpu"))
-        for row, seq in enumerate((a + [7, 60], b + [11, 12, 13, 61])):
-            fresh = target_forward(target, torch.tensor(seq), 0, new_cache(target))[-1]
-            assert torch.allclose(got[row, -1], fresh, atol=1e-5)
+        _next_logits_match(target, rc, [ROW_A + [7, 60], ROW_B + [11, 12, 13, 61]])
         rc.commit(1, [1, 1])
         rc.drop_rows([1])
         assert rc.lengths == [16] and rc.length == 16
+
+
+def test_ragged_cache_keeps_a_tree_path(target):
+    """A row verifying a tree keeps its accepted path's slots (not a prefix of the
+    block) behind its history: the next logits equal a fresh forward over the path."""
+    from dlite.decoding.batch import _ancestors
+    with torch.inference_mode():
+        rc = _two_rows(target)
+        # row 0: a chain 7 8 9 10; row 1: anchor 11 -> {12 -> 13, 14} (nodes 0..3)
+        block = torch.tensor([[7, 8, 9, 10], [11, 12, 13, 14]])
+        depths = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 1]])
+        within = torch.stack([_ancestors([-1, 0, 1, 2], 4), _ancestors([-1, 0, 1, 0], 4)])
+        target_forward(target, block, 0, rc.cache, position_ids=rc.positions(4, "cpu", depths),
+                       attention_mask=rc.mask(4, torch.float32, "cpu", within))
+        rc.commit(4, [2, [0, 3]])  # row 0: 7 8; row 1: 11 14 (the second branch)
+        assert rc.lengths == [7, 14]
+        _next_logits_match(target, rc, [ROW_A + [7, 8, 60], ROW_B + [11, 14, 61]])
 
 
 @pytest.mark.parametrize("stop", [0.0, 0.3])
@@ -210,31 +241,6 @@ def test_crafted_trees_in_a_batch_are_lossless(target, prompts, reference, mode,
         full = [x for x in r["rounds"] if x["context_len"] - len(p) + 1 + 4 <= len(ref)]  # truth known
         assert full and all(x["accepted"] == accepted for x in full), (mode, r["index"])
         assert all(x["verified"] == {"shared": 6, "both_wrong": 8, "second": 8, "to_end": 6}[mode] for x in r["rounds"])
-
-
-def test_ragged_cache_keeps_a_tree_path(target):
-    """A row verifying a tree keeps its accepted path's slots (not a prefix of the
-    block) behind its history: the next logits equal a fresh forward over the path."""
-    from dlite.decoding.batch import _ancestors
-    a, b = [3, 9, 27, 81, 5], list(range(40, 52))
-    rc = RaggedCache(target, 2)
-    with torch.inference_mode():
-        for row, p in enumerate((a, b)):
-            rc.place(row, prefill(target, p).cache)
-        # row 0: a chain 7 8 9 10; row 1: anchor 11 -> {12 -> 13, 14} (nodes 0..3)
-        block = torch.tensor([[7, 8, 9, 10], [11, 12, 13, 14]])
-        depths = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 1]])
-        within = torch.stack([_ancestors([-1, 0, 1, 2], 4), _ancestors([-1, 0, 1, 0], 4)])
-        target_forward(target, block, 0, rc.cache, position_ids=rc.positions(4, "cpu", depths),
-                       attention_mask=rc.mask(4, torch.float32, "cpu", within))
-        rc.commit(4, [2, [0, 3]])  # row 0: 7 8; row 1: 11 14 (the second branch)
-        assert rc.lengths == [7, 14]
-        nxt = torch.tensor([[60], [61]])
-        got = target_forward(target, nxt, 0, rc.cache, position_ids=rc.positions(1, "cpu"),
-                             attention_mask=rc.mask(1, torch.float32, "cpu"))
-        for row, seq in enumerate((a + [7, 8, 60], b + [11, 14, 61])):
-            fresh = target_forward(target, torch.tensor(seq), 0, new_cache(target))[-1]
-            assert torch.allclose(got[row, -1], fresh, atol=1e-5)
 
 
 def test_a_ragged_cache_that_forgets_to_move_kept_slots_breaks_losslessness(target, prompts, reference,

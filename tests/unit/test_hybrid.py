@@ -180,20 +180,25 @@ def test_suffix_trees_become_paths():
 
 
 @pytest.mark.parametrize("kind", ["choose", "tree"])
-def test_hybrids_sample_exactly(kind):
+@pytest.mark.parametrize("tokens", ["lookup", "lookup+suffix"])
+def test_hybrids_sample_exactly(kind, tokens):
     vocab, prompt = 8, [1, 5, 2, 7, 1, 5, 2, 7, 1, 5]
     tm = tiny_target(vocab=vocab, init=0.1, seed=3)
     drafter_model = dlite_drafter(tm, list(range(vocab)), gamma=2, layers=(1,), seed=1)
     make = ChooseHybrid if kind == "choose" else TreeHybrid
+
+    def token_drafters():
+        lk = _lookup(prompt, vocab, gamma=2)
+        return lk if tokens == "lookup" else [lk, SuffixDecoding(vocab, gamma=2)(prompt)]
     # Rated so that lookup wins on its longest matches and the drafter otherwise (the
     # tree then holds both): every kind of candidate is exercised.
     rated = Calibration({"model": BinnedMap((0.0,), [0.55, 0.55], [0, 0])})
-    hybrid = make(drafter_model, _lookup(prompt, vocab, gamma=2), rated)
+    hybrid = make(drafter_model, token_drafters(), rated)
     assert min(_pvalues(tm, hybrid, prompt, vocab)) > 1e-3
-    _, rounds = speculative_generate(tm, make(drafter_model, _lookup(prompt, vocab, gamma=2), rated), prompt, 12,
+    _, rounds = speculative_generate(tm, make(drafter_model, token_drafters(), rated), prompt, 12,
                                      temperature=1.0, generator=torch.Generator().manual_seed(0))
     used = {b["source"] for r in rounds for b in r["branches"]} if kind == "tree" else {r["source"] for r in rounds}
-    assert {"lookup", "model"} <= used
+    assert "model" in used and used & {"lookup", "suffix"}
 
 
 def test_early_stop_never_selects_on_the_draw(model):
@@ -304,3 +309,21 @@ def test_hybrid_vs_best_names_the_best_single_method_per_bucket():
     assert row["ge_best_everywhere"] is False  # 1K-4K tau is short
     m["hybrid_lookup_suffix_choose"]["tau_by_bucket"]["1K-4K"] = 2.7
     assert hybrid_vs_best(m)["hybrid_lookup_suffix_choose"]["ge_best_everywhere"] is True
+
+
+def test_the_learned_drafter_runs_only_where_its_typical_block_could_win(model):
+    """Fitted on blocks that fail at their first slot, the learned drafter is worth
+    less than a fair token proposal and is not run; with no proposal it always is; an
+    unfitted calibration rates it as sure as it could be (as before: it runs)."""
+    recs = ([{"source": "model", "feats": [0.95] * 4, "matched": 0}] * 20
+            + [{"source": "model", "feats": [0.95] * 4, "matched": 4}] * 2)
+    cal = fit(recs)
+    typical = cal.typical_probs("model", 4)
+    assert typical[0] < 0.25 and typical[1] > 0.5  # slot 0 rarely holds; past it, it does
+    hybrid = ChooseHybrid(model, _lookup(REPEAT), cal)
+    assert not hybrid.model_worth_running(1.2) and hybrid.model_worth_running(None)
+    assert ChooseHybrid(model, _lookup(REPEAT)).model_worth_running(1.2)
+    assert ChooseHybrid(model, _lookup(REPEAT), cal, skip_model=False).model_worth_running(5.0)
+    # its draft cost counts: the same block is worth less when drafting it costs a step
+    costly = ChooseHybrid(model, _lookup(REPEAT), cal, CostCurve(draft=1.0))
+    assert costly.model_value() < hybrid.model_value()
