@@ -7,9 +7,11 @@ same way (`pipelines.stages.evaluate_throughput`, measured by `dlite.bench.throu
         [--min-context 1024] [--max-context 8192] [--repeats 1] [key=value ...]
 
 Drafters: --drafter NAME=DIR (repeatable; default: this config's finished align stage,
-and its dspark stage when finished). Methods: those, `eval.baselines` and the choose
-hybrids of `eval.hybrids`, scored with the default calibration (the evaluation stage
-fits one on validation turns; this benchmark does not, and says so). Requests:
+and its dspark stage when finished). Methods: those, `eval.baselines` and
+`eval.hybrids` (choose and tree), scored as the evaluation stage scores them: a
+calibration fitted on validation turns first (never the measured ones; with the
+verify-cost curve measured here; `eval.calibration_trajectories` 0: the defaults),
+saved in the JSON as `calibration`. Requests:
 --requests turns (default twice the largest concurrency, so rows are refilled at every
 concurrency) with --min-context..--max-context tokens of history, more held-out
 trajectories read when the evaluation's own hold too few. Output: the JSON,
@@ -58,12 +60,24 @@ def run(cfg, args) -> dict:
     drafters = _drafters(cfg, args.drafter)
     model, tok, learned, vocab = _load(cfg, drafters, int(cfg.eval.threads))
     prompts = pick_prompts(cfg, tok, args.requests or 2 * conc[-1], args.min_context, args.max_context)
-    report = {**throughput_report(cfg, model, tok, learned, vocab, prompts, conc, repeats=args.repeats),
-              "drafters": drafters,
+    calibration = _calibration(cfg, model, tok, learned, vocab)
+    report = {**throughput_report(cfg, model, tok, learned, vocab, prompts, conc, calibration, repeats=args.repeats),
+              "drafters": drafters, "calibration": calibration,
               "seconds": round(time.time() - t0, 1),
               "config": OmegaConf.to_container(cfg, resolve=True), "env": env_info()}
     report["mlflow_run"] = _publish(cfg, report, Path(args.out))
     return report
+
+
+def _calibration(cfg, model, tok, learned: dict, vocab: int):
+    """The hybrids' calibration, fitted as the evaluation stage fits it (None: no choose
+    or tree hybrid)."""
+    from pipelines.stages.evaluate_calibration import calibration_set, default_or_none, fit_here
+    done, cal = default_or_none(cfg)
+    if done or not learned:
+        return cal
+    print(f"[throughput] calibrating {list(cfg.eval.hybrids)} on validation turns", flush=True)
+    return fit_here(cfg, model, tok, learned, vocab, calibration_set(cfg))
 
 
 def _publish(cfg, report: dict, out: Path) -> str:

@@ -23,15 +23,33 @@ def calibration_set(cfg) -> list:
     return build.heldout_records(cfg.data.corpus, k, cfg.run.seed + 1, lo, hi)
 
 
-def hybrid_calibration(cfg, conf: dict, drafters: Dict[str, str], gpus) -> dict:
-    """The choose / tree hybrids' calibration, fitted on one worker before the reported
-    replay (None: no such hybrid; `eval.calibration_trajectories` 0: the defaults)."""
+def default_or_none(cfg):
+    """(True, what to use) when no fit is needed -- None: no choose / tree hybrid; the
+    defaults: `eval.calibration_trajectories` 0 -- else (False, None)."""
     from dlite.decoding.calibrate import scored_token_methods
     from dlite.decoding.calibration import Calibration
     if not scored_token_methods(cfg.eval.hybrids):
-        return None
+        return True, None
     if not cfg.eval.calibration_trajectories:
-        return Calibration().to_dict()
+        return True, Calibration().to_dict()
+    return False, None
+
+
+def fit_here(cfg, model, tok, learned: dict, vocab: int, records: list) -> dict:
+    """The fit in this process, with the primary (first) learned drafter set up as
+    `method_builders` sets it."""
+    from dlite.decoding.calibrate import fit_calibration
+    primary = next(iter(learned.values()))
+    primary.draft_stop_prob = cfg.eval.draft_stop_prob
+    return fit_calibration(model, tok, cfg.eval, primary, vocab, records, cfg.eval.calibration_max_turns)
+
+
+def hybrid_calibration(cfg, conf: dict, drafters: Dict[str, str], gpus) -> dict:
+    """The choose / tree hybrids' calibration, fitted on one worker before the reported
+    replay (None: no such hybrid; `eval.calibration_trajectories` 0: the defaults)."""
+    done, cal = default_or_none(cfg)
+    if done:
+        return cal
     records = calibration_set(cfg)
     print(f"[evaluate] calibrating {list(cfg.eval.hybrids)} on {len(records)} validation trajectories", flush=True)
     task = ray.remote(num_cpus=1, num_gpus=gpus)(_calibrate)
@@ -41,13 +59,10 @@ def hybrid_calibration(cfg, conf: dict, drafters: Dict[str, str], gpus) -> dict:
 def _calibrate(cfg_dict: dict, drafters: Dict[str, str], records: list) -> dict:
     """One worker: the hybrids' calibration fitted on validation `records` with the
     primary drafter (`dlite.decoding.calibrate`)."""
-    from dlite.decoding.calibrate import fit_calibration
     # Imported here, in the worker: the evaluation stage imports this module.
     from pipelines.stages.evaluate import _load
     cfg = OmegaConf.create(cfg_dict)
     # Alone on the machine (before the acceptance workers): eval.threads, as the timed
     # replay, which is also what the measured cost curve must be timed with.
     model, tok, learned, vocab = _load(cfg, drafters, cfg.eval.threads)
-    primary = next(iter(learned.values()))
-    primary.draft_stop_prob = cfg.eval.draft_stop_prob  # as method_builders sets it
-    return fit_calibration(model, tok, cfg.eval, primary, vocab, records, cfg.eval.calibration_max_turns)
+    return fit_here(cfg, model, tok, learned, vocab, records)

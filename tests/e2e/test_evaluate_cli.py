@@ -3,7 +3,9 @@ disk (random-weight DLite and DSpark-style; a trained one in tests/unit/test_tra
 plus the training-free baselines (prompt lookup, SuffixDecoding) and the hybrid of
 DLite with SuffixDecoding: one Ray evaluation of all on the same prompts, greedy speculative decoding token-for-
 token identical to plain decoding over multi-turn trajectories, the report's DLITE.md §4
-metrics per method, plots, and an `evaluate` run on a real MLflow server."""
+metrics per method, plots, and an `evaluate` run on a real MLflow server; and the
+throughput benchmark batching every hybrid (choose and tree) after fitting their
+calibration."""
 
 import json
 import subprocess
@@ -112,3 +114,28 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
     assert run.data.metrics["throughput.dlite.c3.tau"] == pytest.approx(tp["methods"]["dlite"]["3"]["tau"])
     arts = {a.path for a in c.list_artifacts(run.info.run_id, "evaluation")}
     assert {"evaluation/report.json", "evaluation/accept_at_k.png", "evaluation/tau_by_bucket.png"} <= arts
+
+
+@pytest.mark.timeout(900)
+def test_throughput_benchmark_batches_every_hybrid(repo_root, tmp_path, tiny_cfg, mlflow_server):
+    """`jobs.benchmark throughput` with the three-way choose and tree hybrids: it fits
+    their calibration (and measures the cost curve) first, batches both, and every
+    request of every method at every concurrency is plain greedy's output."""
+    d = _save_random(tiny_cfg, "dlite", tmp_path / "dlite")
+    out = tmp_path / "tp" / "throughput.json"
+    hybrids = ["hybrid_lookup_suffix_choose", "hybrid_lookup_suffix_tree"]
+    r = subprocess.run([sys.executable, "-m", "jobs.benchmark", "throughput", "--config", "configs/experiments/tiny.yaml",
+                        "--out", str(out), "--drafter", f"dlite={d}", "--concurrency", "1,3", "--requests", "4",
+                        "--min-context", "1", "--max-context", "100000", "eval.max_new_tokens=12",
+                        "eval.baselines=[prompt_lookup,suffix]", f"eval.hybrids=[{','.join(hybrids)}]",
+                        f"tracking.uri={mlflow_server}", "tracking.experiment=throughput-cli"],
+                       cwd=repo_root, capture_output=True, text=True, timeout=800)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert list(rep["methods"]) == ["plain", "dlite", "prompt_lookup", "suffix", *hybrids]
+    assert rep["skipped_methods"] == []
+    for name, by in rep["methods"].items():
+        assert set(by) == {"1", "3"}
+        assert all(row["lossless"] is True and row["requests"] == 4 for row in by.values()), name
+    cal = rep["calibration"]
+    assert cal["fitted_on"]["methods"] == ["calib_prompt_lookup", "calib_suffix"] and cal["cost"]["costs"][0] == 1.0
