@@ -5,9 +5,11 @@ round either
 - `ChooseHybrid`: the proposal (and the prefix of it) with the most expected tokens per
   unit of verification cost, `(1 + E[accepted]) / cost(n + 1)`, from each proposer's
   calibrated per-slot confidence (`dlite.decoding.calibration`); the learned drafter is
-  not even run when the token proposal alone beats anything it could propose;
-- `TreeHybrid`: both (SuffixDecoding: every branch of its own tree) verified in one
-  forward as a token tree (`dlite.decoding.tree`), the nodes kept within
+  not even run when the token proposals are worth more than its typical block (its
+  draft cost counted);
+- `TreeHybrid`: every proposal (SuffixDecoding: every branch of its own tree) verified
+  in one forward as a token tree (`dlite.decoding.tree`; the learned drafter joins by
+  the same rule), the nodes kept within
   `budget` tokens chosen the same way: the most valuable first (a node's value is its
   expected chance of being accepted), as many as maximise tokens per unit of cost.
 
