@@ -47,7 +47,7 @@ from dlite.decoding.capture import LayerCapture
 from dlite.decoding.decode import Prefill, _device, _extend, _new_state, _sync, target_forward
 from dlite.decoding.ragged import RaggedCache
 from dlite.decoding.replay import drafter_for
-from dlite.decoding.tree import TokenTree, build_tree, verify_tree
+from dlite.decoding.tree import TokenTree, ancestors, build_tree, verify_tree
 from dlite.decoding.verify import sample_token, verify_block
 
 RESERVE_BLOCK = 64  # cache slots per row beyond prompt + new tokens: one round's block
@@ -94,17 +94,6 @@ def _chain(anchor: int, tok: torch.Tensor) -> tuple:
     """(tokens, parents, depths) of a linear block: anchor, then the drafts in a chain."""
     n = 1 + tok.numel()
     return [anchor, *tok.tolist()], list(range(-1, n - 1)), list(range(n))
-
-
-def _ancestors(parents: List[int], n: int) -> torch.Tensor:
-    """[n, n] bool: slot i sees slot j iff j is i or one of its ancestors (slots past
-    the row's own nodes, padding, see themselves only)."""
-    out = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        while p >= 0:
-            out[i, p] = True
-            p = parents[p]
-    return out
 
 
 class _Loop:
@@ -213,7 +202,7 @@ class _Loop:
             ids[b] = tokens[0]
             ids[b, :len(tokens)] = torch.tensor(tokens)
             depths[b, :len(depth)] = torch.tensor(depth)
-            within[b] = _ancestors(parents, n)
+            within[b] = ancestors(parents, n)
         return ids.to(self.dev), n, depths, within
 
     def round(self, cap) -> None:

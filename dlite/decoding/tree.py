@@ -80,16 +80,23 @@ def build_tree(anchor: int, branches: Sequence[Branch]) -> TokenTree:
     return tree
 
 
+def ancestors(parents: List[int], n: int = None) -> torch.Tensor:
+    """[n, n] bool: node i sees node j iff j is i or one of its ancestors (`parents[i]`,
+    -1 at the root); n may exceed the nodes (padding slots then see themselves only)."""
+    n = len(parents) if n is None else n
+    out = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        while p >= 0:
+            out[i, p] = True
+            p = parents[p]
+    return out
+
+
 def tree_mask(tree: TokenTree, past: int, dtype, device) -> torch.Tensor:
     """Additive mask [1, 1, N, past + N]: every node sees the cache and its ancestors."""
     n = len(tree.tokens)
-    allowed = torch.zeros(n, past + n, dtype=torch.bool)
-    allowed[:, :past] = True
-    for i in range(n):
-        j = i
-        while j >= 0:
-            allowed[i, past + j] = True
-            j = tree.parent[j]
+    allowed = torch.ones(n, past + n, dtype=torch.bool)
+    allowed[:, past:] = ancestors(tree.parent)
     mask = torch.zeros(n, past + n, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None].to(device)
 

@@ -180,13 +180,13 @@ def test_ragged_cache_keeps_what_a_one_row_cache_keeps(target):
 def test_ragged_cache_keeps_a_tree_path(target):
     """A row verifying a tree keeps its accepted path's slots (not a prefix of the
     block) behind its history: the next logits equal a fresh forward over the path."""
-    from dlite.decoding.batch import _ancestors
+    from dlite.decoding.tree import ancestors
     with torch.inference_mode():
         rc = _two_rows(target)
         # row 0: a chain 7 8 9 10; row 1: anchor 11 -> {12 -> 13, 14} (nodes 0..3)
         block = torch.tensor([[7, 8, 9, 10], [11, 12, 13, 14]])
         depths = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 1]])
-        within = torch.stack([_ancestors([-1, 0, 1, 2], 4), _ancestors([-1, 0, 1, 0], 4)])
+        within = torch.stack([ancestors([-1, 0, 1, 2]), ancestors([-1, 0, 1, 0])])
         target_forward(target, block, 0, rc.cache, position_ids=rc.positions(4, "cpu", depths),
                        attention_mask=rc.mask(4, torch.float32, "cpu", within))
         rc.commit(4, [2, [0, 3]])  # row 0: 7 8; row 1: 11 14 (the second branch)
