@@ -7,11 +7,13 @@ round says, for every proposer, how many of its slots the target's greedy output
 confirms -- counterfactual acceptance, whichever proposal a hybrid would have picked.
 `dlite.decoding.calibration.fit` turns those per-slot observations into the maps.
 
-`measure_cost`: the verify-cost curve on this machine and target (`forward_ms`: the
-best of a few timed cached forwards of m tokens after a prefill of the calibration's
-context length, over one token's), so that what a hybrid verifies is priced by what
+`measure_cost`: the verify-cost curve on this machine and target (`forward_rounds`:
+after a warm-up, rounds of timed cached forwards of every size m after a prefill of the
+calibration's context length; per size the median over rounds of m tokens' time over
+one token's in the same round), so that what a hybrid verifies is priced by what
 verification costs here rather than by another machine's figures."""
 
+import statistics
 import time
 from typing import Dict, Iterable, List, Sequence
 
@@ -88,61 +90,86 @@ COST_SIZES = (1, 2, 4, 8, 16, 32)  # tokens per verification (anchor included)
 
 
 @torch.no_grad()
-def forward_ms(model, context: int, sizes: Sequence[int], reps: int = 3, seed: int = 0) -> Dict[int, float]:
-    """{m: ms}: the best of `reps` cached forwards of m random tokens after a prefill of
-    `context` random tokens (the cache cropped back after each)."""
+def forward_rounds(model, context: int, sizes: Sequence[int], reps: int = 3, seed: int = 0) -> List[Dict[int, float]]:
+    """[{m: ms}] per round: `reps` rounds, each timing one cached forward of m random
+    tokens for every m in `sizes`, after a prefill of `context` random tokens (the cache
+    cropped back after each). One untimed round first: the first forwards after a
+    prefill are slower (allocator, caches), which used to inflate the one-token time
+    and flatten the whole curve. Interleaving the sizes inside a round means a drift of
+    the machine's speed hits every size of that round alike instead of one size."""
     from dlite.decoding.decode import crop_cache, new_cache, target_forward
     dev = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (context + max(sizes),), generator=gen).to(dev)
     cache = new_cache(model)
     target_forward(model, ids[:context], 0, cache, logits_to_keep=1)
-    out = {}
-    for m in sizes:
-        times = []
-        for _ in range(reps):
+    rounds = []
+    for r in range(reps + 1):
+        times = {}
+        for m in sizes:
             t = time.perf_counter()
             target_forward(model, ids[context:context + m], context, cache)
-            times.append((time.perf_counter() - t) * 1000)
+            times[m] = (time.perf_counter() - t) * 1000
             crop_cache(cache, context)
-        out[m] = min(times)
-    return out
+        if r:  # round 0 is the warm-up
+            rounds.append(times)
+    return rounds
+
+
+def forward_ms(model, context: int, sizes: Sequence[int], reps: int = 3, seed: int = 0) -> Dict[int, float]:
+    """{m: ms}: the best of `reps` interleaved timed forwards of m tokens (`forward_rounds`)."""
+    rounds = forward_rounds(model, context, sizes, reps, seed)
+    return {m: min(r[m] for r in rounds) for m in sizes}
+
+
+def curve_from_rounds(rounds: List[Dict[int, float]], sizes: Sequence[int]) -> List[float]:
+    """Decode steps per size: the median over rounds of m tokens' time over one token's
+    in the same round (a round slowed as a whole leaves its ratios alone), never below
+    the previous point (a faster larger forward is timing noise) nor below 1."""
+    costs, floor = [], 1.0
+    for m in sizes:
+        floor = max(floor, statistics.median(r[m] / r[sizes[0]] for r in rounds))
+        costs.append(round(floor, 4))
+    return costs
 
 
 @torch.no_grad()
 def draft_ms(target, drafter, reps: int = 5) -> float:
-    """The best of `reps` greedy drafts of `drafter` (history-free: its cost does not
-    grow with the context), from the features of a short real prefill."""
+    """The median of `reps` greedy drafts of `drafter` after an untimed one (history-free:
+    its cost does not grow with the context), from the features of a short real prefill;
+    the median, as for the one-token forward it is divided by."""
     from dlite.decoding.decode import _new_state, prefill
     ids = list(range(1, 33))
     pre = prefill(target, ids, drafter.target_layer_ids)
     feats, times = pre.features(drafter.target_layer_ids, False), []
-    for _ in range(reps):
+    for r in range(reps + 1):
         state = _new_state(drafter, ids)
         t = time.perf_counter()
         drafter.draft(state, feats, 1, len(ids), 0.0)
-        times.append((time.perf_counter() - t) * 1000)
-    return min(times)
+        if r:  # the first draft is the warm-up
+            times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
 
 
-def measure_cost(target, context: int, sizes: Sequence[int] = COST_SIZES, reps: int = 5,
+def measure_cost(target, context: int, sizes: Sequence[int] = COST_SIZES, reps: int = 9,
                  threads: int = None, drafter=None) -> dict:
     """The verify-cost curve measured here, with `threads` torch threads (the timed
     replay's: how a forward's cost grows with its tokens depends on the threads it
-    spreads over): {"tokens", "costs" (decode steps: m tokens' forward over one
-    token's, never below the previous point: a faster larger forward is timing noise),
-    "draft" (one draft of `drafter` in decode steps; 0 without one), "context",
-    "decode_ms", "draft_ms", "reps", "threads"}; `cost_curve` makes the `CostCurve`."""
+    spreads over): {"tokens", "costs" (decode steps, `curve_from_rounds`), "draft" (one
+    draft of `drafter` in decode steps; 0 without one), "context", "decode_ms" (the
+    median one-token forward), "draft_ms", "reps", "threads", "spread" (per size, the
+    smallest and largest per-round ratio: how far one round's curve could have
+    strayed)}; `cost_curve` makes the `CostCurve`."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        ms = forward_ms(target, context, sizes, reps)
+        rounds = forward_rounds(target, context, sizes, reps)
         d_ms = draft_ms(target, drafter, reps) if drafter is not None else 0.0
     finally:
         torch.set_num_threads(before)
-    costs, floor, step = [], 1.0, ms[sizes[0]]
-    for m in sizes:
-        floor = max(floor, ms[m] / step)
-        costs.append(round(floor, 4))
-    return {"tokens": list(sizes), "costs": costs, "draft": round(d_ms / step, 4), "context": int(context),
-            "decode_ms": round(step, 3), "draft_ms": round(d_ms, 3), "reps": reps, "threads": threads or before}
+    step = statistics.median(r[sizes[0]] for r in rounds)
+    ratios = {m: [r[m] / r[sizes[0]] for r in rounds] for m in sizes}
+    return {"tokens": list(sizes), "costs": curve_from_rounds(rounds, sizes), "draft": round(d_ms / step, 4),
+            "context": int(context), "decode_ms": round(step, 3), "draft_ms": round(d_ms, 3), "reps": reps,
+            "threads": threads or before,
+            "spread": {str(m): [round(min(v), 3), round(max(v), 3)] for m, v in ratios.items()}}

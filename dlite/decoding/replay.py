@@ -178,20 +178,23 @@ def _first_mismatch(res: dict) -> Optional[dict]:
     return None if at is None else {"id": res["id"], "turn": res["turn"], **at}
 
 
+def _tokens(r: dict, loop: str, drop: int = 1) -> int:
+    """Tokens `loop` ("spec" / "plain") produced in task `r`, less `drop`: the decode
+    phase does not count the prefill's one."""
+    return max(len(r[f"{loop}_ids"]) - drop, 0)
+
+
 def _speed(results: List[dict], e2e: bool = False) -> dict:
-    """Pooled tokens/s of each loop; decode phase counts tokens after the prefill's one."""
+    """Pooled tokens/s of each loop (decode phase, or end to end with `e2e`)."""
     sfx, drop = ("_e2e_ms", 0) if e2e else ("_ms", 1)
-    out = {}
-    for loop in ("spec", "plain"):
-        n = sum(max(len(r[f"{loop}_ids"]) - drop, 0) for r in results)
-        out[loop] = metrics.tokens_per_s(n, sum(r[f"{loop}{sfx}"] for r in results))
-    return out
+    return {loop: metrics.tokens_per_s(sum(_tokens(r, loop, drop) for r in results),
+                                       sum(r[f"{loop}{sfx}"] for r in results))
+            for loop in ("spec", "plain")}
 
 
 def _pairs(results: List[dict]) -> List[tuple]:
     """Each timed task's (spec tokens, spec ms, plain tokens, plain ms), decode phase."""
-    return [(max(len(r["spec_ids"]) - 1, 0), r["spec_ms"], max(len(r["plain_ids"]) - 1, 0), r["plain_ms"])
-            for r in results]
+    return [(_tokens(r, "spec"), r["spec_ms"], _tokens(r, "plain"), r["plain_ms"]) for r in results]
 
 
 def _task_summary(res: dict) -> dict:

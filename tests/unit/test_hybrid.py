@@ -253,11 +253,29 @@ def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     cost = cal["cost"]
     assert cost["tokens"] == [1, 2, 4, 8, 16, 32] and cost["costs"][0] == 1.0 and cost["decode_ms"] > 0
     assert all(a <= b for a, b in zip(cost["costs"], cost["costs"][1:]))
+    assert set(cost["spread"]) == {"1", "2", "4", "8", "16", "32"} and cost["reps"] == 9
+    assert all(lo <= hi for lo, hi in cost["spread"].values()) and cost["spread"]["1"] == [1.0, 1.0]
     measured = method_builders(ev, {"dlite": drafter}, len(tokenizer), cal)
     assert measured["hybrid_lookup_tree"]()(TRAJ_IDS).cost.costs == tuple(cost["costs"])
     choose = aggregate(*raw["hybrid_lookup_choose"]["0.0"], a)
     assert choose["lossless"] is True and sum(f["rounds"] for f in choose["by_source"].values()) == choose["n_rounds"]
 
+
+def test_cost_curve_takes_per_round_ratios():
+    """A round slowed as a whole (the machine busy for a moment) leaves the curve alone:
+    each point is the median of m tokens' time over one token's in the same round, not a
+    ratio of times taken at different moments; a faster larger forward is noise (the
+    curve never falls) and nothing costs less than one step."""
+    from dlite.decoding.calibrate import curve_from_rounds
+    sizes = (1, 2, 4, 8)
+    steady = {1: 10.0, 2: 12.0, 4: 15.0, 8: 22.0}
+    slowed = {m: 3 * t for m, t in steady.items()}
+    assert curve_from_rounds([steady, slowed, steady], sizes) == [1.0, 1.2, 1.5, 2.2]
+    # A ratio of bests would mix rounds: the slowed round's 1-token time is not the best,
+    # but one stray fast 8-token forward would have set that point alone.
+    stray = {1: 10.0, 2: 12.0, 4: 15.0, 8: 9.0}
+    assert curve_from_rounds([steady, stray, steady], sizes) == [1.0, 1.2, 1.5, 2.2]
+    assert curve_from_rounds([{1: 10.0, 2: 9.0, 4: 8.0, 8: 20.0}], sizes) == [1.0, 1.0, 1.0, 2.0]
 
 
 def test_timed_replay_runs_every_new_hybrid(tokenizer):
