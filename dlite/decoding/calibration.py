@@ -201,10 +201,9 @@ class CostCurve:
         slope = (c[-1] - c[-2]) / (t[-1] - t[-2]) if len(t) > 1 else 0.0
         return c[-1] + slope * (m - t[-1])  # beyond the last point: its last slope
 
-    def value(self, expected: float, n: int, draft: float = 0.0) -> float:
-        """Tokens per decode-step of cost: (accepted + the bonus) / (cost(n + 1) + `draft`,
-        what drafting cost when that is still to be decided)."""
-        return (1.0 + expected) / (self(n + 1) + draft)
+    def value(self, expected: float, n: int) -> float:
+        """Tokens per decode-step of cost: (accepted + the bonus) / cost(n + 1)."""
+        return (1.0 + expected) / self(n + 1)
 
     def best_prefix(self, slot_probs: Sequence[float], drafted: bool = False) -> Tuple[int, float]:
         """(prefix length, its value) with the most tokens per unit of cost; `drafted`:

@@ -8,11 +8,10 @@ round either
   not even run when the token proposals are worth more than its typical block (its
   draft cost counted);
 - `TreeHybrid`: every proposal (SuffixDecoding: every branch of its own tree) verified
-  in one forward as a token tree (`dlite.decoding.tree`), the nodes kept within
+  in one forward as a token tree (`dlite.decoding.tree`; the learned drafter joins by
+  the same rule), the nodes kept within
   `budget` tokens chosen the same way: the most valuable first (a node's value is its
-  expected chance of being accepted, siblings' chances summing to at most their
-  parent's), as many as maximise tokens per unit of cost; the learned drafter joins
-  only where its typical block adds to the tree's value.
+  expected chance of being accepted), as many as maximise tokens per unit of cost.
 
 Exactness at T > 0: what is verified may depend on deterministic proposals and on
 numbers fixed before the learned drafter draws anything (its first slot's largest
@@ -144,78 +143,51 @@ class ChooseHybrid(_Proposers):
 class TreeHybrid(_Proposers):
     """Per round every proposal, as one token tree of at most `budget` draft tokens."""
 
-    def __init__(self, model, lookup, calibration=None, cost=None, budget: int = 16, skip_model: bool = True,
-                 cap_siblings: bool = True):
+    def __init__(self, model, lookup, calibration=None, cost=None, budget: int = 16, skip_model: bool = True):
         super().__init__(model, lookup, calibration, cost, skip_model)
         if budget < 1:
             raise ValueError(f"tree budget must be >= 1, got {budget}")
-        # cap_siblings=False: raw values, every node worth something (the calibration's
-        # unpruned trees must verify every slot of every proposal).
-        self.budget, self.cap_siblings = budget, cap_siblings
+        self.budget = budget
 
     def draft_tree(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
                    generator: Optional[torch.Generator] = None) -> tuple:
         branches = self.token_branches(state, anchor_id, anchor_pos, tree_nodes=self.budget)
         sampled = temperature > 0
-        # The learned drafter joins the tree only where its block could add value.
-        if self.model_adds_to(branches, sampled):
+        # The learned drafter joins the tree only where it could add value: skipped
+        # when the token branches alone are worth more than any learned block could be.
+        if self.model_worth_running(self._allocate(branches, sampled)[1] if branches else None):
             branches.append(self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator))
         keep, _ = self._allocate(branches, sampled)
         return [b.cut(k) for b, k in zip(branches, keep) if k], state
 
-    def model_adds_to(self, branches: List[Branch], sampled: bool) -> bool:
-        """Run the learned drafter only if the tree with its typical block (tokens not
-        known yet: a sibling of every proposed token; its draft cost counted) is worth
-        more than the tree without it. Its marginal value, not its value alone: beside
-        a sure copy, a learned block can only be right where the copy is wrong. Reads
-        deterministic proposals and the calibration only (exact at T > 0)."""
-        if not self.skip_model or not branches:
-            return True
-        typical = self.calibration.typical_probs("model", self.model.gamma)
-        without = self._best(self._node_values(branches, sampled))[1]
-        return self._best(self._node_values(branches, sampled, typical), self.cost.draft)[1] > without
-
     def _allocate(self, branches: List[Branch], sampled: bool) -> tuple:
-        """(tokens kept per branch, the tree's value): the nodes worth most, as many as
-        maximise tokens per unit of cost (`_best`); a branch keeps its tokens up to the
-        first one not chosen."""
-        best_n, best_v, order = self._best(self._node_values(branches, sampled))
-        chosen = set(order[:best_n])
+        """(tokens kept per branch, the tree's value): nodes by value (the product of
+        calibrated slot probabilities to them), as many as maximise (1 + sum of values)
+        / cost(N + 1). Nodes are keyed by their path, so shared prefixes count once --
+        except the learned drafter's when sampling, whose tokens must not decide what
+        is kept."""
+        nodes = {}
+        for b, br in enumerate(branches):
+            run = 1.0
+            for k, p in enumerate(self.slot_probs(br)[: len(br.tokens)]):
+                run *= p
+                key = ("model", k) if sampled and br.source == "model" else tuple(br.tokens[: k + 1])
+                nodes[key] = max(nodes.get(key, 0.0), run)
+        order = sorted(nodes.items(), key=lambda kv: (-kv[1], len(kv[0]) if kv[0][0] != "model" else kv[0][1]))
+        best_n, best_v, total = 0, self.cost.value(0.0, 0), 0.0
+        for n, (_, v) in enumerate(order[: self.budget], start=1):
+            total += v
+            if self.cost.value(total, n) > best_v:
+                best_n, best_v = n, self.cost.value(total, n)
+        chosen = {key for key, _ in order[:best_n]}
         keep = []
         for br in branches:
             k = 0
-            while k < len(br.tokens) and _key(br, k, sampled) in chosen:
+            while k < len(br.tokens) and (("model", k) if sampled and br.source == "model"
+                                          else tuple(br.tokens[: k + 1])) in chosen:
                 k += 1
             keep.append(k)
         return keep, best_v
-
-    def _node_values(self, branches: List[Branch], sampled: bool, unknown: Optional[List[float]] = None) -> dict:
-        """{node: P(the target accepts it)}: the product of calibrated slot
-        probabilities along its path (shared prefixes counted once), then capped so
-        that siblings never add up past their parent (`_cap_siblings`). `unknown`: the
-        slot probabilities of a learned block not drafted yet."""
-        paths = [([_key(br, k, sampled) for k in range(len(br.tokens))], self.slot_probs(br)) for br in branches]
-        if unknown:
-            paths.append(([("unknown", k) for k in range(len(unknown))], unknown))
-        raw = {}
-        for keys, probs in paths:
-            run = 1.0
-            for key, p in zip(keys, probs):
-                run *= p
-                raw[key] = max(raw.get(key, 0.0), run)
-        return _cap_siblings(raw) if self.cap_siblings else raw
-
-    def _best(self, values: dict, draft: float = 0.0) -> tuple:
-        """(nodes kept, the tree's value, the nodes in order): nodes by value (parents
-        before children on ties), as many within `budget` as maximise (1 + sum of
-        values) / (cost(N + 1) + `draft`)."""
-        order = sorted(values, key=lambda key: (-values[key], _depth(key)))
-        best_n, best_v, total = 0, self.cost.value(0.0, 0, draft), 0.0
-        for n, key in enumerate(order[: self.budget], start=1):
-            total += values[key]
-            if self.cost.value(total, n, draft) > best_v:
-                best_n, best_v = n, self.cost.value(total, n, draft)
-        return best_n, best_v, order
 
     def tree_verified(self, state, branches: List[Branch], emit: List[int]) -> tuple:
         """After verification: the sequence learns the accepted tokens; the record gets
@@ -229,39 +201,3 @@ class TreeHybrid(_Proposers):
         info = [{"source": b.source, "n": len(b.tokens), "matched": m, "feats": [round(x, 4) for x in b.feats]}
                 for b, m in zip(branches, matched)]
         return state, {"source": source, "branches": info}
-
-
-def _key(br: Branch, k: int, sampled: bool) -> tuple:
-    """A node's key: its path of tokens, so shared prefixes merge -- except the learned
-    drafter's when sampling, whose tokens must not decide what is kept."""
-    return ("model", k) if sampled and br.source == "model" else tuple(br.tokens[: k + 1])
-
-
-def _parent(key: tuple) -> tuple:
-    if isinstance(key[0], str):  # ("model" | "unknown", depth): its own chain from the root
-        return (key[0], key[1] - 1) if key[1] else ()
-    return key[:-1]
-
-
-def _depth(key: tuple) -> int:
-    return key[1] + 1 if isinstance(key[0], str) else len(key)
-
-
-def _cap_siblings(raw: dict) -> dict:
-    """Only one child of a node can be the target's token, so the children's acceptance
-    probabilities add up to at most their parent's. Calibrated one proposer at a time
-    they can exceed it (a learned block at 0.5 beside a copy at 0.9, counted as if both
-    could hold: the learned drafter ran in rounds where it could add little). Children
-    take the parent's probability in order of their own (ties: first proposed), each
-    capped by what is left; a capped node's subtree is scaled with it."""
-    kids = {}
-    for key in raw:
-        kids.setdefault(_parent(key), []).append(key)
-    out, todo = {}, [((), 1.0, 1.0)]  # (node, its capped value, capped / raw)
-    while todo:
-        node, room, scale = todo.pop()
-        for child in sorted(kids.get(node, []), key=lambda c: -raw[c]):
-            v = min(raw[child] * scale, room)
-            out[child], room = v, room - v
-            todo.append((child, v, v / raw[child] if raw[child] > 0 else 0.0))
-    return out
