@@ -39,7 +39,7 @@ def calibration_builders(ev, primary, vocab_size: int) -> Dict[str, object]:
     budget = 4 * max(gamma, primary.gamma)  # above any chain pair, and room for a suffix tree
 
     def one(model, lk):  # the learned drafter in every round: each is an observation of it
-        return TreeHybrid(model, lk, Calibration(), FLAT, budget, skip_model=False)
+        return TreeHybrid(model, lk, Calibration(), FLAT, budget, skip_model=False, online_prior=None)
     return {f"calib_{m}": (lambda m=m: _hybrid(primary, [_TOKEN_DRAFTERS[m](ev, vocab_size, gamma)], one))
             for m in scored_token_methods(ev.hybrids)}
 

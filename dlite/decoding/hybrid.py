@@ -5,8 +5,9 @@ round either
 - `ChooseHybrid`: the proposal (and the prefix of it) with the most expected tokens per
   unit of verification cost, `(1 + E[accepted]) / cost(n + 1)`, from each proposer's
   calibrated per-slot confidence (`dlite.decoding.calibration`); the learned drafter is
-  not even run when the token proposals are worth more than its typical block (its
-  draft cost counted);
+  not even run when the token proposals -- or, without any, a plain target step --
+  are worth more than its typical block (its draft cost counted), that block's
+  acceptance corrected by what this request has seen of it so far (`model_factor`);
 - `TreeHybrid`: every proposal (SuffixDecoding: every branch of its own tree) verified
   in one forward as a token tree (`dlite.decoding.tree`; the learned drafter joins by
   the same rule), the nodes kept within
@@ -20,7 +21,7 @@ follows q). Greedy decoding reads everything. Both are lossless either way; the 
 records say which source the accepted tokens came from and, for trees, how far each
 branch matched (the calibration's observations)."""
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -28,6 +29,9 @@ from dlite.decoding.calibration import Calibration, CostCurve
 from dlite.decoding.lookup import token_block
 from dlite.decoding.tree import Branch, branch_matches
 from dlite.models.common import recording_confidences
+
+
+ONLINE_PRIOR = 2.0  # the calibration's prediction, worth this many accepted tokens
 
 
 def _source(lookup) -> str:
@@ -39,7 +43,7 @@ class _Proposers:
     its own accepted-sequence state) and how their proposals are scored."""
 
     def __init__(self, model, lookups, calibration: Optional[Calibration] = None, cost: Optional[CostCurve] = None,
-                 skip_model: bool = True):
+                 skip_model: bool = True, online_prior: Optional[float] = ONLINE_PRIOR):
         if model.needs_history:
             raise ValueError("the hybrid needs a history-free drafter: one with a history "
                              "cache would miss the positions of the rounds lookup drafts")
@@ -47,14 +51,17 @@ class _Proposers:
         sources = [_source(lk) for lk in self.lookups]
         if not sources or len(set(sources)) != len(sources):
             raise ValueError(f"a hybrid takes one token drafter per source, got {sources}")
-        self.model, self.skip_model = model, skip_model
+        self.model, self.skip_model, self.online_prior = model, skip_model, online_prior
         self.calibration, self.cost = calibration or Calibration(), cost or CostCurve()
         self.vocab_size = self.lookups[0].vocab_size
         self.gamma = max(model.gamma, *(lk.gamma for lk in self.lookups))
         self.target_layer_ids, self.needs_history = model.target_layer_ids, False
 
     def new_state(self):
-        return dict(seq=[lk.new_state() for lk in self.lookups], model=self.model.new_state(), source=[])
+        # online: (tokens of the learned drafter accepted, tokens the calibration
+        # expected on the same slots) over this request's verified model blocks.
+        return dict(seq=[lk.new_state() for lk in self.lookups], model=self.model.new_state(), source=[],
+                    online=[0.0, 0.0], pending=None, ran=False)
 
     def token_branches(self, state, anchor_id: int, anchor_pos: int, tree_nodes: int = 0) -> List[Branch]:
         """Every token drafter's proposal(s), each with its per-slot confidence features
@@ -79,6 +86,7 @@ class _Proposers:
         """The learned drafter's block; its features: each chosen token's probability at
         T = 0, the first slot's largest probability (fixed before any draw) at T > 0,
         for all gamma slots so that no choice depends on where it stopped early."""
+        state["ran"] = True
         with recording_confidences() as conf:
             tokens, q, state["model"] = self.model.draft(state["model"], feats, anchor_id, anchor_pos,
                                                          temperature, generator)
@@ -88,20 +96,59 @@ class _Proposers:
             feats = [c["chosen"] for c in conf]
         return Branch(tokens.tolist(), q, "model", feats)
 
-    def slot_probs(self, br: Branch) -> List[float]:
-        return self.calibration.slot_probs(br.source, br.feats)
+    def slot_probs(self, br: Branch, state=None) -> List[float]:
+        """Calibrated P(slot k accepted | the slots before it); the learned drafter's
+        scaled by this request's `model_factor` (`state` given)."""
+        probs = self.calibration.slot_probs(br.source, br.feats)
+        return self._corrected(probs, state) if br.source == "model" else probs
 
-    def model_value(self) -> float:
+    def _corrected(self, probs: Sequence[float], state) -> List[float]:
+        f = self.model_factor(state) if state is not None else 1.0
+        return [min(1.0, p * f) for p in probs]
+
+    def model_factor(self, state) -> float:
+        """This request's acceptance of the learned drafter over what the calibration
+        predicted for the same slots, shrunk toward 1 by `ONLINE_PRIOR`: validation
+        turns say how a drafter does on average, a request's own rounds say how it does
+        on this history (an agent's file dumps, where copying wins, or free text, where
+        the learned drafter does). `online_prior` None: always 1. Reads only rounds
+        already verified, never this round's draws, so the choices it feeds stay exact
+        at T > 0."""
+        if self.online_prior is None:  # the calibration alone
+            return 1.0
+        hits, expected = state["online"]
+        return (self.online_prior + hits) / (self.online_prior + expected)
+
+    def observe_model(self, state, br: Branch, matched: int) -> None:
+        """One verified model block of which `matched` tokens held: slots
+        0..min(matched, n - 1) were observed (the first miss included)."""
+        probs = self.calibration.slot_probs("model", br.feats[: len(br.tokens)])
+        seen = min(matched + 1, len(probs))
+        state["online"][0] += min(matched, seen)
+        state["online"][1] += sum(probs[:seen])
+
+    def model_value(self, state=None) -> float:
         """What running the learned drafter is worth before it drafts: the value of its
         typical block (the calibration's acceptance per depth, averaged over what the
-        fit saw; unfitted: as sure as it could be), its draft cost counted."""
-        return self.cost.best_prefix(self.calibration.typical_probs("model", self.model.gamma), drafted=True)[1]
+        fit saw; unfitted: as sure as it could be; corrected by this request's rounds
+        when `state` is given), its draft cost counted."""
+        typical = self._corrected(self.calibration.typical_probs("model", self.model.gamma), state)
+        return self.cost.best_prefix(typical, drafted=True)[1]
 
-    def model_worth_running(self, token_value: Optional[float]) -> bool:
+    def model_worth_running(self, token_value: Optional[float], state=None) -> bool:
         """Run the learned drafter only where its typical block beats the token
-        proposals' value (None: there are none). Reads deterministic proposals and the
-        calibration only, so the choice never depends on a draw (exact at T > 0)."""
-        return not self.skip_model or token_value is None or token_value < self.model_value()
+        proposals' value -- None: there are none, so beats a plain target step (a
+        drafter whose best block is empty is not worth its draft time). Reads
+        deterministic proposals, the calibration and past rounds only, so the choice
+        never depends on a draw (exact at T > 0)."""
+        if not self.skip_model:
+            return True
+        floor = self.cost.value(0.0, 0) if token_value is None else token_value
+        return floor < self.model_value(state)
+
+    def _online_info(self, state) -> dict:
+        """For the round's record: whether the learned drafter ran, this request's factor."""
+        return {"model_ran": state["ran"], "model_factor": round(self.model_factor(state), 4)}
 
     def finish(self, state, new_tokens: List[int]) -> None:
         for lk, seq in zip(self.lookups, state["seq"]):
@@ -118,33 +165,45 @@ class ChooseHybrid(_Proposers):
 
     def draft(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
               generator: Optional[torch.Generator] = None):
-        options = []
+        self._observe_last(state, anchor_pos)
+        state["ran"], options = False, []
         for br in self.token_branches(state, anchor_id, anchor_pos):
             n, v = self.cost.best_prefix(self.slot_probs(br))
             options.append((v, br, n))
         # Skip the learned drafter (its draft time too) when it cannot win this round.
-        if self.model_worth_running(max((o[0] for o in options), default=None)):
+        if self.model_worth_running(max((o[0] for o in options), default=None), state):
             br = self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator)
-            n, v = self.cost.best_prefix(self.slot_probs(br))
+            n, v = self.cost.best_prefix(self.slot_probs(br, state))
             options.append((v, br, min(n, len(br.tokens))))
-        # Ties: the first listed (token drafters in their order, the learned one last).
-        v, br, n = max(options, key=lambda o: o[0])
+        # Ties: the first listed (token drafters in their order, the learned one last);
+        # nothing worth verifying: a plain target step.
+        v, br, n = max(options, key=lambda o: o[0], default=(0.0, Branch([], None, "none"), 0))
         br = br.cut(n)
         state["source"].append(br.source if n else "none")
+        state["pending"] = (br, anchor_pos) if n and br.source == "model" else None
         self.drafted(state, br.tokens)
         if br.source == "model" and br.q is not None:
             return torch.tensor(br.tokens, dtype=torch.long), br.q, state
         return (*token_block(br.tokens, self.vocab_size, temperature), state)
 
+    def _observe_last(self, state, anchor_pos: int) -> None:
+        """The last round's model block, if it was verified: the anchor moved past the
+        accepted tokens and the target's own one."""
+        if state["pending"] is not None:
+            br, pos = state["pending"]
+            self.observe_model(state, br, anchor_pos - pos - 1)
+            state["pending"] = None
+
     def round_info(self, state) -> dict:
-        return {"source": state["source"][-1]}
+        return {"source": state["source"][-1], **self._online_info(state)}
 
 
 class TreeHybrid(_Proposers):
     """Per round every proposal, as one token tree of at most `budget` draft tokens."""
 
-    def __init__(self, model, lookup, calibration=None, cost=None, budget: int = 16, skip_model: bool = True):
-        super().__init__(model, lookup, calibration, cost, skip_model)
+    def __init__(self, model, lookup, calibration=None, cost=None, budget: int = 16, skip_model: bool = True,
+                 online_prior: Optional[float] = ONLINE_PRIOR):
+        super().__init__(model, lookup, calibration, cost, skip_model, online_prior)
         if budget < 1:
             raise ValueError(f"tree budget must be >= 1, got {budget}")
         self.budget = budget
@@ -152,15 +211,15 @@ class TreeHybrid(_Proposers):
     def draft_tree(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
                    generator: Optional[torch.Generator] = None) -> tuple:
         branches = self.token_branches(state, anchor_id, anchor_pos, tree_nodes=self.budget)
-        sampled = temperature > 0
+        sampled, state["ran"] = temperature > 0, False
         # The learned drafter joins the tree only where it could add value: skipped
         # when the token branches alone are worth more than any learned block could be.
-        if self.model_worth_running(self._allocate(branches, sampled)[1] if branches else None):
+        if self.model_worth_running(self._allocate(branches, sampled, state)[1] if branches else None, state):
             branches.append(self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator))
-        keep, _ = self._allocate(branches, sampled)
+        keep, _ = self._allocate(branches, sampled, state)
         return [b.cut(k) for b, k in zip(branches, keep) if k], state
 
-    def _allocate(self, branches: List[Branch], sampled: bool) -> tuple:
+    def _allocate(self, branches: List[Branch], sampled: bool, state=None) -> tuple:
         """(tokens kept per branch, the tree's value): nodes by value (the product of
         calibrated slot probabilities to them), as many as maximise (1 + sum of values)
         / cost(N + 1). Nodes are keyed by their path, so shared prefixes count once --
@@ -169,7 +228,7 @@ class TreeHybrid(_Proposers):
         nodes = {}
         for b, br in enumerate(branches):
             run = 1.0
-            for k, p in enumerate(self.slot_probs(br)[: len(br.tokens)]):
+            for k, p in enumerate(self.slot_probs(br, state)[: len(br.tokens)]):
                 run *= p
                 key = ("model", k) if sampled and br.source == "model" else tuple(br.tokens[: k + 1])
                 nodes[key] = max(nodes.get(key, 0.0), run)
@@ -194,10 +253,13 @@ class TreeHybrid(_Proposers):
         the source of the accepted path and each branch's match."""
         self.drafted(state, emit[:-1])
         matched = branch_matches(branches, emit)
+        for b, m in zip(branches, matched):
+            if b.source == "model":
+                self.observe_model(state, b, m)
         best = max(matched, default=0)
         srcs = {b.source for b, m in zip(branches, matched) if m == best}
         source = "none" if best == 0 else (srcs.pop() if len(srcs) == 1 else "shared")
         state["source"].append(source)
         info = [{"source": b.source, "n": len(b.tokens), "matched": m, "feats": [round(x, 4) for x in b.feats]}
                 for b, m in zip(branches, matched)]
-        return state, {"source": source, "branches": info}
+        return state, {"source": source, "branches": info, **self._online_info(state)}

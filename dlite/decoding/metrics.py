@@ -186,6 +186,8 @@ def summarize_rounds(rounds: List[dict], gamma: int,
         # Draft tokens the target checked per round (a tree's nodes; else = drafted).
         "verified": _mean([{"v": r.get("verified", r.get("drafted", gamma))} for r in rounds], "v"),
         "by_source": by_source(rounds),
+        # Choose / tree hybrids: share of rounds the learned drafter was run at all.
+        "model_ran_share": _mean([{"m": float(r["model_ran"])} for r in rounds if "model_ran" in r], "m"),
         "branches": branch_figures(rounds),
         "branches_by_bucket": by_bucket(rounds, branch_figures, buckets),
         "time_split": time_split(rounds),

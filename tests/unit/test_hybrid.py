@@ -15,6 +15,7 @@ from dlite.decoding.hybrid import ChooseHybrid, TreeHybrid
 from dlite.decoding.lookup import PromptLookupDrafter
 from dlite.decoding.methods import method_builders
 from dlite.decoding.suffix import SuffixDecoding, tree_paths
+from dlite.decoding.tree import Branch
 from dlite.models.common import sample_block
 from tests.unit.test_lookup import REPEAT, V
 
@@ -93,10 +94,12 @@ def test_hybrids_are_lossless_with_prompt_lookup(target, model, kind):
     if kind == "tree":
         assert all(r["verified"] <= 16 and r["branches"] is not None for r in rounds)
         # A random drafter is never sure of itself: with the default (identity) map its
-        # nodes are not worth their cost; rated high, both branches are verified.
+        # nodes are not worth their cost; rated high (and the rating kept, whatever
+        # this request shows of it), both branches are verified.
         assert not any(b["source"] == "model" for r in rounds for b in r["branches"])
         rated = Calibration({"model": BinnedMap((0.0,), [0.9, 0.9], [0, 0])})
-        out, rounds = speculative_generate(target, TreeHybrid(model, _lookup(REPEAT), rated), REPEAT, 30)
+        tree = TreeHybrid(model, _lookup(REPEAT), rated, online_prior=None)
+        out, rounds = speculative_generate(target, tree, REPEAT, 30)
         assert out == ref and any(len(r["branches"]) == 2 for r in rounds)
 
 
@@ -192,10 +195,13 @@ def test_hybrids_sample_exactly(kind, tokens):
         return lk if tokens == "lookup" else [lk, SuffixDecoding(vocab, gamma=2)(prompt)]
     # Rated so that lookup wins on its longest matches and the drafter otherwise (the
     # tree then holds both): every kind of candidate is exercised.
+    # The online factor is on in the chi-square run (it reads past rounds only); the
+    # run that checks coverage keeps the rating fixed, since this drafter does well
+    # enough on an 8-token vocabulary to push lookup out once it has been seen.
     rated = Calibration({"model": BinnedMap((0.0,), [0.55, 0.55], [0, 0])})
     hybrid = make(drafter_model, token_drafters(), rated)
     assert min(_pvalues(tm, hybrid, prompt, vocab)) > 1e-3
-    _, rounds = speculative_generate(tm, make(drafter_model, token_drafters(), rated), prompt, 12,
+    _, rounds = speculative_generate(tm, make(drafter_model, token_drafters(), rated, online_prior=None), prompt, 12,
                                      temperature=1.0, generator=torch.Generator().manual_seed(0))
     used = {b["source"] for r in rounds for b in r["branches"]} if kind == "tree" else {r["source"] for r in rounds}
     assert "model" in used and used & {"lookup", "suffix"}
@@ -331,17 +337,62 @@ def test_hybrid_vs_best_names_the_best_single_method_per_bucket():
 
 def test_the_learned_drafter_runs_only_where_its_typical_block_could_win(model):
     """Fitted on blocks that fail at their first slot, the learned drafter is worth
-    less than a fair token proposal and is not run; with no proposal it always is; an
-    unfitted calibration rates it as sure as it could be (as before: it runs)."""
+    less than a fair token proposal and is not run; with no proposal it runs only if
+    its block beats a plain step; an unfitted calibration rates it as sure as it could
+    be (as before: it runs)."""
     recs = ([{"source": "model", "feats": [0.95] * 4, "matched": 0}] * 20
             + [{"source": "model", "feats": [0.95] * 4, "matched": 4}] * 2)
     cal = fit(recs)
     typical = cal.typical_probs("model", 4)
     assert typical[0] < 0.25 and typical[1] > 0.5  # slot 0 rarely holds; past it, it does
     hybrid = ChooseHybrid(model, _lookup(REPEAT), cal)
-    assert not hybrid.model_worth_running(1.2) and hybrid.model_worth_running(None)
+    assert not hybrid.model_worth_running(1.2) and not hybrid.model_worth_running(None)
+    fair = fit([{"source": "model", "feats": [0.95] * 4, "matched": 4}] * 20)
+    assert ChooseHybrid(model, _lookup(REPEAT), fair).model_worth_running(None)
+    # No proposal and a drafter not worth a plain step: the round is a plain step.
+    none = ChooseHybrid(model, _lookup([1, 2, 3]), cal)
+    tokens, _, state = none.draft(none.new_state(), torch.zeros(1, model.feature_dim), 9, 3, 0.0)
+    assert tokens.numel() == 0 and state["source"] == ["none"] and state["ran"] is False
     assert ChooseHybrid(model, _lookup(REPEAT)).model_worth_running(1.2)
     assert ChooseHybrid(model, _lookup(REPEAT), cal, skip_model=False).model_worth_running(5.0)
     # its draft cost counts: the same block is worth less when drafting it costs a step
     costly = ChooseHybrid(model, _lookup(REPEAT), cal, CostCurve(draft=1.0))
     assert costly.model_value() < hybrid.model_value()
+
+
+def test_a_request_that_rejects_the_learned_drafter_stops_running_it(target, model):
+    """The online factor: verified model blocks that miss pull this request's estimate
+    of the drafter below the calibration's (hits push it up), so a drafter the
+    validation turns rated worth a round is dropped on a history where it fails; a new
+    request starts from the calibration again. Lossless throughout."""
+    fair = fit([{"source": "model", "feats": [x] * 4, "matched": 4} for x in (0.05, 0.5, 0.95)] * 10)
+    hybrid = TreeHybrid(model, _lookup([1, 2, 3]), fair)
+    state = hybrid.new_state()
+    assert hybrid.model_factor(state) == 1.0 and hybrid.model_worth_running(None, state)
+    missed = Branch([5, 6, 7, 8], None, "model", [0.95] * 4)
+    for _ in range(6):
+        hybrid.observe_model(state, missed, 0)  # slot 0 observed, and wrong
+    assert hybrid.model_factor(state) < 0.5 and not hybrid.model_worth_running(None, state)
+    assert hybrid.model_worth_running(None, hybrid.new_state())
+    held = hybrid.new_state()
+    hybrid.observe_model(held, missed, 4)
+    assert hybrid.model_factor(held) >= 1.0
+    # Through the decoding loop: the records carry the factor and whether it ran.
+    ref, _ = plain_generate(target, REPEAT, 20)
+    for make in (TreeHybrid, ChooseHybrid):
+        out, rounds = speculative_generate(target, make(model, _lookup(REPEAT), fair), REPEAT, 20)
+        assert out == ref and all("model_factor" in r and "model_ran" in r for r in rounds)
+        ran = [r for r in rounds if r["model_ran"]]
+        assert ran, make  # the calibration rates it worth running at first
+
+
+def test_the_choice_learns_from_its_verified_model_block(model):
+    """ChooseHybrid infers what its last model block got from the anchor's move."""
+    fair = fit([{"source": "model", "feats": [x] * 4, "matched": 4} for x in (0.05, 0.5, 0.95)] * 10)
+    hybrid = ChooseHybrid(model, _lookup([1, 2, 3]), fair)
+    feats = torch.zeros(1, model.feature_dim)
+    tokens, _, state = hybrid.draft(hybrid.new_state(), feats, 9, 3, 0.0)
+    assert state["source"] == ["model"] and tokens.numel() > 0
+    _, _, state = hybrid.draft(state, feats, 11, 4, 0.0)  # anchor moved by 1: none accepted
+    hits, expected = state["online"]
+    assert hits == 0 and expected > 0 and hybrid.model_factor(state) < 1.0
