@@ -99,11 +99,11 @@ def test_every_on_disk_format_is_collected_and_supervised(ray_session, random_ta
     cfg, out = _cfg(random_target, "data.max_seq_len=1024"), str(tmp_path / "fmt")
     m = collect(cfg, str(FIXTURES), out, _settings(cfg))
     c = m["counts"]
-    assert (c["read"], c["written"], c["quarantined"]) == (10, 10, 0)
+    assert (c["read"], c["written"], c["quarantined"]) == (12, 12, 0)
     assert c["formats"] == {"anthropic": 1, "mini-swe-agent": 2, "mini-swe-agent/responses": 1,
-                            "openai": 2, "responses": 1, "sharegpt": 2, "swe-agent": 1}
+                            "openai": 2, "responses": 1, "sharegpt": 2, "swe-agent": 1, "openhands": 2}
     tok, rows = load_tokenizer(), list(shards.iter_records(out, verify=True))
-    assert len({r["id"] for r in rows}) == 10
+    assert len({r["id"] for r in rows}) == 12
     for r in rows:
         said = tok.decode(r["input_ids"][r["loss_mask"].astype(bool)])
         assert said.endswith("<|im_end|>") and "<tool_response>" not in said, r["id"]

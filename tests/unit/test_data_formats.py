@@ -161,6 +161,8 @@ FIXTURE_RECORDS = [
     ("mini_swe_agent_toolcall.traj.json", "mini-swe-agent", "fix-typo-mini-toolcall", "suatata"),
     ("openai_chat.jsonl:1", "openai", "fix-typo-openai", "suatata"),
     ("openai_chat.jsonl:2", "openai", "text-parts", "ua"),
+    ("openhands_output.jsonl:1", "openhands", "fix-typo-openhands-eval", "uattata"),
+    ("openhands_trajectory.json", "openhands", "openhands_trajectory.json", "suatata"),
     ("responses_api.json", "responses", "fix-typo-responses", "suatata"),
     ("sharegpt.json#0", "sharegpt", "sharegpt-1", "suata"),
     ("sharegpt.json#1", "sharegpt", "sharegpt-2", "ua"),
@@ -191,7 +193,7 @@ def test_fixtures_are_detected_from_content(fixture_raw):
     specs, _ = formats.plan_input(str(FIXTURES), per_shard=4)
     assert formats.count_formats(specs) == {
         "anthropic": 1, "mini-swe-agent": 2, "mini-swe-agent/responses": 1, "openai": 2,
-        "responses": 1, "sharegpt": 2, "swe-agent": 1}
+        "openhands": 2, "responses": 1, "sharegpt": 2, "swe-agent": 1}
 
 
 @pytest.mark.parametrize("where", [w for w, *_ in FIXTURE_RECORDS])

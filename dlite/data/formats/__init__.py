@@ -7,10 +7,12 @@ one looks like. One module per concern:
   canonical   `to_canonical(raw, where, keep_reasoning)` -> {"id", "messages", "tools",
               "source_format"} from OpenAI chat, mini-swe-agent (bare list or its 1.1
               save format), Anthropic Messages, Responses API items, SWE-agent .traj,
-              ShareGPT and DeepSpec records; `source_format` / `count_formats` name them.
+              OpenHands event streams / eval outputs, ShareGPT and DeepSpec records;
+              `source_format` / `count_formats` name them.
   messages    the message dialects (OpenAI / Anthropic blocks / Responses items) ->
               OpenAI chat messages, tool calls and reasoning in one internal form.
   containers  ShareGPT, SWE-agent steps/history and DeepSpec turns -> messages.
+  openhands   OpenHands events (actions, observations by `cause`) -> messages.
   validate    `normalise(record)`: roles, text-only content, calls matched to results.
 
 Anything unusable raises `Quarantine(reason, detail)`, which the caller writes to

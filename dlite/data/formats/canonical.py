@@ -8,20 +8,23 @@
   {"messages"} with a top-level `system`              anthropic
   {"messages"} otherwise                              openai | anthropic | responses
   {"conversations"} / {"conversation"}                sharegpt
+  a bare list of OpenHands events, or {"history"} /
+      {"trajectory"} holding them (its output.jsonl)  openhands
   {"history"} / {"trajectory"} (SWE-agent .traj)      swe-agent[/dialect]
   {"turns"}                                           deepspec
   {"input", "output"?, "instructions"?}               responses (a logged request)
 
 The dialect (openai / anthropic / responses) is that of the messages themselves; see
-`messages.py`. Tools in Anthropic (`input_schema`) or Responses (flat) form become
-OpenAI function tools, so the chat template renders them the same whatever the source.
+`messages.py` (OpenHands events: `openhands.py`). Tools in Anthropic (`input_schema`) or
+Responses (flat) form become OpenAI function tools, so the chat template renders them
+the same whatever the source.
 """
 
 import json
 from collections import Counter
 from typing import Tuple
 
-from dlite.data.formats import containers
+from dlite.data.formats import containers, openhands
 from dlite.data.formats.errors import Quarantine
 from dlite.data.formats.inputs import read_spec
 from dlite.data.formats.messages import dialect, looks_like_messages, to_openai
@@ -64,8 +67,13 @@ def _shape(raw) -> Tuple[str, str]:
     """(container, key of the turns list; "" for a bare list), or unknown_format."""
     if isinstance(raw, list) and (not raw or looks_like_messages(raw)):
         return "mini-swe-agent", ""
+    if isinstance(raw, list) and openhands.looks_like_events(raw):
+        return "openhands", ""
     if isinstance(raw, dict):
         for key, container, _ in SHAPES:
+            # OpenHands keeps its events under the keys SWE-agent uses for steps/messages
+            if key in ("history", "trajectory") and openhands.holds_events(raw, key):
+                return "openhands", key
             if isinstance(raw.get(key), list):
                 return container, key
     raise Quarantine("unknown_format", f"no messages/conversations/history/trajectory/turns/"
@@ -157,9 +165,13 @@ def to_canonical(raw, where: str, keep_reasoning: bool = False) -> dict:
     container, key = _shape(raw)
     items = raw[key] if key else raw
     fmt = _label(raw, container, items)
-    adapt = next((a for k, _, a in SHAPES if k == key), None)
-    items = list(adapt(items) if adapt else items)
     meta = raw if isinstance(raw, dict) else {}
+    tools = meta.get("tools")
+    if container == "openhands":  # its tools are those its system prompt listed
+        items, tools = openhands.to_messages(raw, key)
+    else:
+        adapt = next((a for k, _, a in SHAPES if k == key), None)
+        items = list(adapt(items) if adapt else items)
     if key == "input":  # a logged Responses request: the reply is its `output`
         items += [x for x in meta.get("output") or [] if isinstance(x, dict)]
     msgs = to_openai(items)
@@ -167,5 +179,5 @@ def to_canonical(raw, where: str, keep_reasoning: bool = False) -> dict:
         msgs = _system(meta) + msgs
     if not keep_reasoning:
         msgs = [_without_reasoning(m) for m in msgs]
-    return {"id": record_id(raw, where), "messages": msgs, "tools": _tools(meta.get("tools")),
+    return {"id": record_id(raw, where), "messages": msgs, "tools": _tools(tools),
             "source_format": fmt}

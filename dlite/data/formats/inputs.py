@@ -10,7 +10,8 @@ Inputs: `.jsonl` / `.json` / `.traj.json` / `.traj`, `.parquet`, a directory of 
 (searched recursively, sorted), or an HF `datasets` directory written by `save_to_disk`.
 Whether a JSON file holds one value per line or one document (pretty-printed or not) is
 read from its content, not its name; a document that is a list of records (a ShareGPT
-dump) yields each record, any other document is one record.
+dump) yields each record, any other document (a list of messages or of OpenHands
+events included) is one record.
 """
 
 import copy
@@ -21,6 +22,7 @@ from typing import Iterator, List, Tuple
 
 from dlite.data.formats.errors import Quarantine
 from dlite.data.formats.messages import looks_like_messages
+from dlite.data.formats.openhands import looks_like_events
 
 HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 JSON_SUFFIXES = (".jsonl", ".json", ".traj")
@@ -94,7 +96,7 @@ def _document(path: str, size: int) -> Tuple[Tuple[str, object], ...]:
     p = Path(path)
     doc = _parse(p.read_bytes(), p.name)
     if isinstance(doc, list) and doc and not looks_like_messages(doc) \
-            and all(isinstance(r, dict) for r in doc):
+            and not looks_like_events(doc) and all(isinstance(r, dict) for r in doc):
         return tuple((f"{p.name}#{i}", r) for i, r in enumerate(doc))
     return ((p.name, doc),)
 

@@ -104,7 +104,8 @@ class _Turns:
             turn["reasoning_content"] = _join(turn.get("reasoning_content"), reasoning)
 
 
-def _call(call_id, name, arguments) -> dict:
+def tool_call(call_id, name, arguments) -> dict:
+    """A tool call in the internal OpenAI form (shared by every reader that builds calls)."""
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -122,7 +123,8 @@ def _responses_item(t: _Turns, m: dict, i: int) -> None:
         t.add({"role": "tool", "tool_call_id": m.get("call_id"),
                "content": out if isinstance(out, str) else part_text(out, where)})
     elif typ == "function_call":
-        t.assistant(call=_call(m.get("call_id") or m.get("id"), m.get("name"), m.get("arguments")))
+        t.assistant(call=tool_call(m.get("call_id") or m.get("id"), m.get("name"),
+                                   m.get("arguments")))
     elif typ == "reasoning":
         t.assistant(reasoning=_reasoning(m))
     elif typ == "message" and m.get("role") == "assistant":
@@ -143,7 +145,7 @@ def _anthropic_assistant(blocks: list, i: int) -> dict:
         if typ == "text":
             text.append(b.get("text") or "")
         elif typ == "tool_use":
-            calls.append(_call(b.get("id"), b.get("name"), b.get("input")))
+            calls.append(tool_call(b.get("id"), b.get("name"), b.get("input")))
         elif typ == "thinking":
             thinking.append(b.get("thinking") or "")
         elif typ != "redacted_thinking":  # redacted: encrypted, no text to keep
