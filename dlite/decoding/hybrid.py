@@ -59,9 +59,11 @@ class _Proposers:
 
     def new_state(self):
         # online: (tokens of the learned drafter accepted, tokens the calibration
-        # expected on the same slots) over this request's verified model blocks.
+        # expected on the same slots) over this request's verified model blocks, then
+        # (the calibrated acceptance of its drafted slots, its typical block's on as
+        # many slots) over every block it drafted, verified or not.
         return dict(seq=[lk.new_state() for lk in self.lookups], model=self.model.new_state(), source=[],
-                    online=[0.0, 0.0], pending=None, ran=False)
+                    online=[0.0, 0.0, 0.0, 0.0], pending=None, ran=False)
 
     def token_branches(self, state, anchor_id: int, anchor_pos: int, tree_nodes: int = 0) -> List[Branch]:
         """Every token drafter's proposal(s), each with its per-slot confidence features
@@ -94,6 +96,8 @@ class _Proposers:
             feats = [conf[0]["top"] if conf else 0.0] * self.model.gamma
         else:
             feats = [c["chosen"] for c in conf]
+        state["online"][2] += sum(self.calibration.slot_probs("model", feats))
+        state["online"][3] += sum(self.calibration.typical_probs("model", len(feats)))
         return Branch(tokens.tolist(), q, "model", feats)
 
     def slot_probs(self, br: Branch, state=None) -> List[float]:
@@ -116,8 +120,20 @@ class _Proposers:
         at T > 0."""
         if self.online_prior is None:  # the calibration alone
             return 1.0
-        hits, expected = state["online"]
+        hits, expected = state["online"][:2]
         return (self.online_prior + hits) / (self.online_prior + expected)
+
+    def confidence_factor(self, state) -> float:
+        """How sure the learned drafter has been on this request over how sure it is on
+        average (its drafted blocks' calibrated acceptance over its typical block's on
+        as many slots), shrunk toward 1 by `online_prior`. Known from every block it
+        drafted, even one the tree then cut, so a request where it only ever guesses
+        stops paying its draft time before any of its blocks is verified. Reads
+        numbers fixed before any draw (exact at T > 0)."""
+        if self.online_prior is None:
+            return 1.0
+        sure, typical = state["online"][2:]
+        return (self.online_prior + sure) / (self.online_prior + typical)
 
     def observe_model(self, state, br: Branch, matched: int) -> None:
         """One verified model block of which `matched` tokens held: slots
@@ -133,6 +149,8 @@ class _Proposers:
         fit saw; unfitted: as sure as it could be; corrected by this request's rounds
         when `state` is given), its draft cost counted."""
         typical = self._corrected(self.calibration.typical_probs("model", self.model.gamma), state)
+        if state is not None:  # its typical block, as sure as it has been on this request
+            typical = [min(1.0, p * self.confidence_factor(state)) for p in typical]
         return self.cost.best_prefix(typical, drafted=True)[1]
 
     def model_worth_running(self, token_value: Optional[float], state=None) -> bool:
@@ -148,7 +166,8 @@ class _Proposers:
 
     def _online_info(self, state) -> dict:
         """For the round's record: whether the learned drafter ran, this request's factor."""
-        return {"model_ran": state["ran"], "model_factor": round(self.model_factor(state), 4)}
+        return {"model_ran": state["ran"], "model_factor": round(self.model_factor(state), 4),
+                "model_confidence": round(self.confidence_factor(state), 4)}
 
     def finish(self, state, new_tokens: List[int]) -> None:
         for lk, seq in zip(self.lookups, state["seq"]):

@@ -377,11 +377,22 @@ def test_a_request_that_rejects_the_learned_drafter_stops_running_it(target, mod
     held = hybrid.new_state()
     hybrid.observe_model(held, missed, 4)
     assert hybrid.model_factor(held) >= 1.0
+    # Its confidence on this request: a random drafter is never sure, and where the
+    # calibration says unsure blocks fail, a few drafted blocks (none verified) are
+    # enough to stop running it.
+    judged = fit([{"source": "model", "feats": [0.95] * 4, "matched": 4}] * 10
+                 + [{"source": "model", "feats": [0.05] * 4, "matched": 0}] * 10)
+    unsure = TreeHybrid(model, _lookup([1, 2, 3]), judged)
+    state, feats = unsure.new_state(), torch.zeros(1, model.feature_dim)
+    assert unsure.model_worth_running(None, state)
+    for _ in range(4):
+        unsure.model_branch(state, feats, 9, 3, 0.0, None)
+    assert unsure.confidence_factor(state) < 0.6 and not unsure.model_worth_running(None, state)
     # Through the decoding loop: the records carry the factor and whether it ran.
     ref, _ = plain_generate(target, REPEAT, 20)
     for make in (TreeHybrid, ChooseHybrid):
         out, rounds = speculative_generate(target, make(model, _lookup(REPEAT), fair), REPEAT, 20)
-        assert out == ref and all("model_factor" in r and "model_ran" in r for r in rounds)
+        assert out == ref and all({"model_factor", "model_confidence", "model_ran"} <= set(r) for r in rounds)
         ran = [r for r in rounds if r["model_ran"]]
         assert ran, make  # the calibration rates it worth running at first
 
@@ -394,5 +405,5 @@ def test_the_choice_learns_from_its_verified_model_block(model):
     tokens, _, state = hybrid.draft(hybrid.new_state(), feats, 9, 3, 0.0)
     assert state["source"] == ["model"] and tokens.numel() > 0
     _, _, state = hybrid.draft(state, feats, 11, 4, 0.0)  # anchor moved by 1: none accepted
-    hits, expected = state["online"]
+    hits, expected = state["online"][:2]
     assert hits == 0 and expected > 0 and hybrid.model_factor(state) < 1.0
