@@ -53,17 +53,20 @@ class _Proposers:
             raise ValueError(f"a hybrid takes one token drafter per source, got {sources}")
         self.model, self.skip_model, self.online_prior = model, skip_model, online_prior
         self.calibration, self.cost = calibration or Calibration(), cost or CostCurve()
+        # The learned drafter's typical block: fixed by the calibration, read every round.
+        self.typical = self.calibration.typical_probs("model", model.gamma)
         self.vocab_size = self.lookups[0].vocab_size
         self.gamma = max(model.gamma, *(lk.gamma for lk in self.lookups))
         self.target_layer_ids, self.needs_history = model.target_layer_ids, False
 
     def new_state(self):
-        # online: (tokens of the learned drafter accepted, tokens the calibration
-        # expected on the same slots) over this request's verified model blocks, then
-        # (the calibrated acceptance of its drafted slots, its typical block's on as
-        # many slots) over every block it drafted, verified or not.
+        # online, over this request: `hits` (tokens of the learned drafter accepted) and
+        # `expected` (tokens the calibration expected on the same slots) over its
+        # verified blocks; `sure` (calibrated acceptance of its drafted slots) and
+        # `typical` (its typical block's on as many slots) over every block it drafted.
+        online = dict(hits=0.0, expected=0.0, sure=0.0, typical=0.0)
         return dict(seq=[lk.new_state() for lk in self.lookups], model=self.model.new_state(), source=[],
-                    online=[0.0, 0.0, 0.0, 0.0], pending=None, ran=False)
+                    online=online, pending=None, ran=False)
 
     def token_branches(self, state, anchor_id: int, anchor_pos: int, tree_nodes: int = 0) -> List[Branch]:
         """Every token drafter's proposal(s), each with its per-slot confidence features
@@ -96,8 +99,8 @@ class _Proposers:
             feats = [conf[0]["top"] if conf else 0.0] * self.model.gamma
         else:
             feats = [c["chosen"] for c in conf]
-        state["online"][2] += sum(self.calibration.slot_probs("model", feats))
-        state["online"][3] += sum(self.calibration.typical_probs("model", len(feats)))
+        state["online"]["sure"] += sum(self.calibration.slot_probs("model", feats))
+        state["online"]["typical"] += sum(self.typical[: len(feats)])
         return Branch(tokens.tolist(), q, "model", feats)
 
     def slot_probs(self, br: Branch, state=None) -> List[float]:
@@ -118,10 +121,7 @@ class _Proposers:
         the learned drafter does). `online_prior` None: always 1. Reads only rounds
         already verified, never this round's draws, so the choices it feeds stay exact
         at T > 0."""
-        if self.online_prior is None:  # the calibration alone
-            return 1.0
-        hits, expected = state["online"][:2]
-        return (self.online_prior + hits) / (self.online_prior + expected)
+        return self._shrunk(state["online"]["hits"], state["online"]["expected"])
 
     def confidence_factor(self, state) -> float:
         """How sure the learned drafter has been on this request over how sure it is on
@@ -130,25 +130,29 @@ class _Proposers:
         drafted, even one the tree then cut, so a request where it only ever guesses
         stops paying its draft time before any of its blocks is verified. Reads
         numbers fixed before any draw (exact at T > 0)."""
+        return self._shrunk(state["online"]["sure"], state["online"]["typical"])
+
+    def _shrunk(self, seen: float, predicted: float) -> float:
+        """seen / predicted with `online_prior` tokens of the prediction on both sides
+        (None: the calibration alone, 1)."""
         if self.online_prior is None:
             return 1.0
-        sure, typical = state["online"][2:]
-        return (self.online_prior + sure) / (self.online_prior + typical)
+        return (self.online_prior + seen) / (self.online_prior + predicted)
 
     def observe_model(self, state, br: Branch, matched: int) -> None:
         """One verified model block of which `matched` tokens held: slots
         0..min(matched, n - 1) were observed (the first miss included)."""
         probs = self.calibration.slot_probs("model", br.feats[: len(br.tokens)])
         seen = min(matched + 1, len(probs))
-        state["online"][0] += min(matched, seen)
-        state["online"][1] += sum(probs[:seen])
+        state["online"]["hits"] += min(matched, seen)
+        state["online"]["expected"] += sum(probs[:seen])
 
     def model_value(self, state=None) -> float:
         """What running the learned drafter is worth before it drafts: the value of its
         typical block (the calibration's acceptance per depth, averaged over what the
         fit saw; unfitted: as sure as it could be; corrected by this request's rounds
         when `state` is given), its draft cost counted."""
-        typical = self._corrected(self.calibration.typical_probs("model", self.model.gamma), state)
+        typical = self._corrected(self.typical, state)
         if state is not None:  # its typical block, as sure as it has been on this request
             typical = [min(1.0, p * self.confidence_factor(state)) for p in typical]
         return self.cost.best_prefix(typical, drafted=True)[1]

@@ -405,5 +405,5 @@ def test_the_choice_learns_from_its_verified_model_block(model):
     tokens, _, state = hybrid.draft(hybrid.new_state(), feats, 9, 3, 0.0)
     assert state["source"] == ["model"] and tokens.numel() > 0
     _, _, state = hybrid.draft(state, feats, 11, 4, 0.0)  # anchor moved by 1: none accepted
-    hits, expected = state["online"][:2]
-    assert hits == 0 and expected > 0 and hybrid.model_factor(state) < 1.0
+    online = state["online"]
+    assert online["hits"] == 0 and online["expected"] > 0 and hybrid.model_factor(state) < 1.0

@@ -79,6 +79,12 @@ def holds_events(raw: dict, key: str) -> bool:
         (isinstance(items, list) and "test_result" in raw and "instance_id" in raw)
 
 
+def _metadata(e: dict) -> dict:
+    """An event's `tool_call_metadata` ({} if absent or not an object)."""
+    meta = e.get("tool_call_metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
 def _model_message(meta) -> dict:
     """The assistant message of the model response that made a call ({} if not saved)."""
     try:
@@ -135,7 +141,7 @@ class _Reader:
             self._call(e, kind, args)
 
     def _call(self, e: dict, kind: str, args: dict) -> None:
-        meta = e.get("tool_call_metadata") if isinstance(e.get("tool_call_metadata"), dict) else {}
+        meta = _metadata(e)
         msg = _model_message(meta)
         call = _model_call(e, meta, msg) or tool_call(f"openhands-{e.get('id')}", kind,
                                                        _arguments(kind, args))
@@ -157,7 +163,7 @@ class _Reader:
         if kind in SKIP_OBSERVATIONS or (cause is not None and cause in self.dropped) or \
                 (isinstance(extras, dict) and extras.get("hidden") is True):
             return
-        meta = e.get("tool_call_metadata") if isinstance(e.get("tool_call_metadata"), dict) else {}
+        meta = _metadata(e)
         call_id = self.call_of.get(cause) if cause is not None else None
         if call_id is None and isinstance(meta.get("tool_call_id"), str) and \
                 meta["tool_call_id"] in self.turn_of_call:
