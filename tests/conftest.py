@@ -33,6 +33,24 @@ def smoke_pipeline() -> list:
             "eval.max_new_tokens=16", "eval.speed_trajectories=1"]
 
 
+@pytest.fixture(scope="session")
+def smoke_collection(repo_root, tmp_path_factory, smoke_pipeline) -> Path:
+    """The smoke-size `collect` stage of the embedded default, run once per session
+    (`jobs.pipeline --only collect`, its own SQLite store); yields its finished stage dir.
+    Runs of the same settings start from it through `seed_stages` instead of collecting
+    again: the pipeline finds the stage finished and reuses it, as a rerun would."""
+    import subprocess
+    from tests.pipeline_runs import SMALLEST_STAGES
+    out = tmp_path_factory.mktemp("smoke_collection")
+    r = subprocess.run([sys.executable, "-m", "jobs.pipeline", "--config", "configs/experiments/tiny.yaml",
+                        "--only", "collect", f"run.output_dir={out}", f"tracking.uri=sqlite:///{out / 'mlflow.db'}",
+                        *smoke_pipeline, *SMALLEST_STAGES], cwd=repo_root, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (stage,) = (out / "stages").glob("collect-*")
+    assert (stage / "stage.json").is_file()
+    return stage
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Tiny ops on a shared 2-core machine run ~10x faster single-threaded: intra-op

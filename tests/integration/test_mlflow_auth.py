@@ -7,8 +7,8 @@ registered model and grants the pipeline's service user EDIT on them (infra/READ
   - a client without credentials is refused (401); a reviewer reads but cannot write
   - the preflight ends a launch with a wrong password or a read-only user in seconds,
     exit 2, one line naming the user and the missing permission
-  - the service user runs the tiny pipeline end to end (collect -> align -> evaluate ->
-    publish at smoke size); its gate (floors at 0 here, so that it passes and moves
+  - the service user runs the tiny pipeline (align -> evaluate -> publish at smoke
+    size, from the session's finished collection); its gate (floors at 0 here, so that it passes and moves
     `production`) sets both aliases and records the move; the reviewer reads the
     decision and the figures it used
   - a later move of `production` by another user is reported by `jobs.publish`
@@ -26,13 +26,11 @@ import urllib.request
 import pytest
 
 from tests.mlflow_servers import mlflow_server
+from tests.pipeline_runs import SMALLEST_STAGES, seed_stages
 
 ADMIN, PIPELINE, REVIEWER = ("admin", "admin-pw-7f3a9c"), ("dlite-pipeline", "pipe-pw-2b8e41"), \
     ("reviewer", "review-pw-c51d07")
 EXPERIMENT, MODEL = "auth-e2e", "dlite-tiny-auth"
-# The smallest pipeline that still trains, evaluates and publishes (the DLite drafter
-# only, no teacher): the point here is who may write, not the drafter.
-STAGES = ["run.stages=[collect,align,evaluate,publish]", "train.skip_teacher=true"]
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +85,13 @@ def _job(repo, module, uri, user, *args, timeout=900):
 
 
 @pytest.fixture(scope="module")
-def pipeline_run(repo_root, accounts, smoke_pipeline, tmp_path_factory):
+def pipeline_run(repo_root, accounts, smoke_pipeline, smoke_collection, tmp_path_factory):
+    """The point here is who may write, not the drafter: the smallest pipeline, from the
+    session's finished collection (its MLflow record stays in that run's own store)."""
     out = tmp_path_factory.mktemp("auth_pipeline")
+    seed_stages(out, smoke_collection)
     r, _ = _job(repo_root, "jobs.pipeline", accounts, PIPELINE, f"run.output_dir={out}",
-                *smoke_pipeline, *STAGES, "gate.min_tau=0", "gate.min_speedup=0", timeout=1800)
+                *smoke_pipeline, *SMALLEST_STAGES, "gate.min_tau=0", "gate.min_speedup=0", timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (summary,) = out.glob("tiny-*/summary.json")
     return json.loads(summary.read_text())

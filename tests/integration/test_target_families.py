@@ -2,7 +2,7 @@
 
 - a random-weight tiny **Llama** with SmolLM2's real tokenizer (ChatML without tool
   support, every embedding row used, so MASK is the drafter's learned embedding) goes
-  through `jobs.pipeline` collect -> teacher -> align -> evaluate, lossless, beside the
+  through `jobs.pipeline` collect -> align -> evaluate (no teacher: the family is the point), lossless, beside the
   tiny Qwen3 runs of the other tests;
 - the real **SmolLM2-135M-Instruct** (installed by scripts/setup.sh, converted once):
   greedy speculative decoding reproduces plain greedy decoding token for token on two
@@ -40,7 +40,7 @@ def llama_target(tmp_path_factory) -> str:
 @pytest.mark.timeout(2400)
 def test_llama_family_through_the_pipeline(llama_target, repo_root, tmp_path):
     args = ["--config", "configs/experiments/tiny.yaml", f"target.path={llama_target}", "target.name=llama",
-            "run.stages=[collect,teacher,align,evaluate]", f"run.output_dir={tmp_path / 'runs'}",
+            "run.stages=[collect,align,evaluate]", "train.skip_teacher=true", f"run.output_dir={tmp_path / 'runs'}",
             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "data.n_train=8", "data.max_seq_len=1024",
             "train.batch_size=2", "train.steps_teacher=3", "train.steps_align=3", "train.eval_every=3",
             "eval.n_trajectories=1", "eval.max_turns=2", "eval.max_new_tokens=12", "eval.speed_trajectories=1"]
