@@ -5,6 +5,7 @@ artifact and registry version carries (weights + tokenizer + chat template), so
 features from one target are never mixed with another's."""
 
 import hashlib
+import json
 from pathlib import Path
 
 from dlite.target import sources
@@ -14,6 +15,10 @@ from dlite.target.gguf import TargetSourceError  # noqa: F401 (what every resolv
 _WEIGHT_GLOBS = ("*.safetensors", "config.json")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 DTYPES = ("float32", "bfloat16", "float16")
+# config.json keys that say where a checkpoint was made, not what it is: transformers
+# writes the source path into `_name_or_path` (for a GGUF conversion, the package's
+# site-packages dir), so one GGUF converted on two machines hashed apart.
+_PLACE_KEYS = ("_name_or_path",)
 
 
 def target_dir(target_cfg) -> Path:
@@ -28,9 +33,23 @@ def _hash_files(h, root: Path, names) -> None:
     for name in names:
         for f in sorted(root.glob(name)):
             h.update(f.name.encode())
+            if f.name == "config.json":
+                h.update(_config_bytes(f))
+                continue
             with open(f, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
                     h.update(chunk)
+
+
+def _config_bytes(f: Path) -> bytes:
+    """config.json as hashed: its bytes, or, when it names where it was made, its keys
+    without those (sorted). A config without them hashes as before, so the fingerprints
+    already recorded for such targets stay valid."""
+    raw = f.read_bytes()
+    cfg = json.loads(raw)
+    if not any(k in cfg for k in _PLACE_KEYS):
+        return raw
+    return json.dumps({k: v for k, v in cfg.items() if k not in _PLACE_KEYS}, sort_keys=True).encode()
 
 
 def fingerprint(target_cfg) -> dict:

@@ -33,7 +33,8 @@ from pipelines.common import tracking
 MARKER = "stage.json"
 _TRAIN_COMMON = ("run.seed", "drafter", "train.lr", "train.warmup_frac", "train.weight_decay",
                  "train.batch_size", "train.grad_accum", "train.grad_clip", "train.zero_stage",
-                 "train.precision", "train.eval_every", "train.supervise", "cluster.num_workers")
+                 "train.precision", "train.eval_every", "train.supervise", "cluster.num_workers",
+                 "data.shuffle_buffer")
 # The loss each training stage reads: the teacher its own keys, the others stage 2's.
 _STAGE2_LOSS = ("train.ce_weight", "train.tv_weight", "train.loss_decay", "train.ce_labels")
 _TEACHER_LOSS = ("train.teacher_ce_weight", "train.teacher_tv_weight", "train.teacher_loss_decay",
@@ -109,6 +110,7 @@ def _value(cfg, key: str):
 _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size": 2, "sequential_rank": 256,
                              "v1_teacher": False, "history_window": None},
                  "train.supervise": "assistant",
+                 "data.shuffle_buffer": 256,  # hashed through collect's data section before
                  # the stage-2 loss and recipe as they were hard-wired before they were keys
                  "train.ce_weight": 0.1, "train.tv_weight": 0.9, "train.loss_decay": 4.0,
                  "train.ce_labels": "data", "train.recipe": "teacher_init", "train.blend_frac": 0.0,
@@ -125,8 +127,21 @@ _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size"
                           "calibration_max_turns": None, "concurrency": [], "concurrency_requests": None}}
 
 
+# Keys inside a section a stage hashes whole that do not decide that stage's output:
+# how fast it is made (`regen_batch_size`: batched regeneration gives batch 1's tokens;
+# `batch_tokens`: collection's forward batches) or what later stages read (`cache_bytes`,
+# and `shuffle_buffer`, which the training stages hash themselves). They are hashed at
+# their defaults: changing one keeps a finished stage reusable, and the hashes of runs
+# at the defaults stay what they were.
+_HASHED_AT_DEFAULT = {"collect": {"data": {"regen_batch_size": 8, "batch_tokens": 16384,
+                                           "cache_bytes": 1 << 30, "shuffle_buffer": 256}}}
+
+
 def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
     values = {k: _value(cfg, k) for k in d.keys}
+    for section, defaults in _HASHED_AT_DEFAULT.get(d.name, {}).items():
+        if isinstance(values.get(section), dict):
+            values[section].update({k: v for k, v in defaults.items() if k in values[section]})
     for key, neutral in _HASH_NEUTRAL.items():
         if isinstance(values.get(key), dict):
             values[key] = {k: v for k, v in values[key].items() if neutral.get(k, object()) != v}

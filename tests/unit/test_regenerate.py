@@ -138,3 +138,19 @@ def test_the_dag_runs_regenerate_before_collect_only_when_asked(tmp_path):
         load_config("configs/experiments/tiny.yaml", ["data.regen_samples=2"])
     with pytest.raises(ConfigError, match="data.regen_top_p"):
         load_config("configs/experiments/tiny.yaml", ["data.regen_top_p=0"])
+
+
+@pytest.mark.parametrize("knob,moves", [
+    ("data.regen_batch_size=4", []), ("data.batch_tokens=4096", []), ("data.cache_bytes=1000", []),
+    ("data.shuffle_buffer=16", ["teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"]),
+    ("data.n_train=3", ["collect", "teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"])])
+def test_how_fast_a_stage_runs_leaves_its_hash(tmp_path, knob, moves):
+    """Keys that say how fast collection and regeneration run (or what only training
+    reads) keep a finished collection reusable; the shuffle buffer still moves the
+    training stages, which read it, and a real data change moves everything."""
+    from dlite.config import load_config
+    from pipelines.orchestration import dag
+    out = [f"run.output_dir={tmp_path}"]
+    base = {s.name: s.hash for s in dag.plan(load_config("configs/experiments/tiny.yaml", out))}
+    new = {s.name: s.hash for s in dag.plan(load_config("configs/experiments/tiny.yaml", out + [knob]))}
+    assert [k for k in base if base[k] != new[k]] == moves

