@@ -9,9 +9,13 @@ scaffold saves, so that collection reads it through the same readers as real run
   swe-agent       a `.traj`: `history` (assistant turns with `tool_calls`, tool results
                   `OBSERVATION:` text parts naming their call in `tool_call_ids`),
                   `trajectory` steps (thought / action / observation), `info`
-  openhands       {"instance_id", "messages", "tools", "git_patch"} as OpenHands'
-                  function-calling runs are shared (SWE-Gym): `execute_bash`,
-                  `str_replace_editor`, `finish`; bash results end with the exit code
+  openhands       two saves of one run, alternating between records: the chat messages
+                  its function-calling runs are shared as (SWE-Gym: {"instance_id",
+                  "messages", "tools", "git_patch"}), or its own event stream as the
+                  evaluation harness writes it (an output.jsonl line {"instance_id",
+                  "instruction", "history": [events], "test_result"}); tools
+                  `execute_bash`, `str_replace_editor`, `finish`; bash results end
+                  with the exit code
 
 The prompts are this project's own words in each scaffold's shape; only the shapes are
 the scaffolds'.
@@ -135,27 +139,100 @@ def swe_agent(s: Session) -> dict:
             "info": {"exit_status": "submitted", "submission": s.steps[-1].output}}
 
 
-def openhands(s: Session) -> dict:
-    root = f"/workspace/{s.package}"
-    task = EDITOR_TASK.format(root=root, task=s.task, finish="call `finish`")
-    msgs = [{"role": "system", "content": EDITOR_SYSTEM}, {"role": "user", "content": task}]
+def _openhands_calls(s: Session):
+    """(call id, tool name, args, thought, the result the agent saw or None) per step."""
     for i, st in enumerate(s.steps, 1):
-        cid = f"toolu_{i:02d}"
         if st.tool == "submit":
-            args, name = {"message": s.summary}, "finish"
-        else:
-            args, name = st.args, "execute_bash" if st.tool == "bash" else st.tool
-        msgs.append({"role": "assistant", "content": st.thought, "tool_calls": [{
+            yield f"toolu_{i:02d}", "finish", {"message": s.summary}, st.thought, None
+            continue
+        name = "execute_bash" if st.tool == "bash" else st.tool
+        out = st.output + (f"\n[The command completed with exit code {st.rc}.]" if st.tool == "bash" else "")
+        yield f"toolu_{i:02d}", name, st.args, st.thought, out
+
+
+def _openhands_task(s: Session) -> str:
+    return EDITOR_TASK.format(root=f"/workspace/{s.package}", task=s.task, finish="call `finish`")
+
+
+def _at_workspace(rec: dict, s: Session) -> dict:
+    # OpenHands mounts the repository under /workspace, not /testbed.
+    return json.loads(json.dumps(rec).replace(ROOT, f"/workspace/{s.package}"))
+
+
+def _resolved(s: Session) -> bool:
+    tests = [st.output for st in s.steps if st.args.get("command", "").startswith("python -m pytest")]
+    return bool(tests) and " passed in " in tests[-1] and " failed" not in tests[-1]
+
+
+def openhands(s: Session) -> dict:
+    """The chat messages OpenHands' function-calling runs are shared as (SWE-Gym)."""
+    msgs = [{"role": "system", "content": EDITOR_SYSTEM}, {"role": "user", "content": _openhands_task(s)}]
+    for cid, name, args, thought, out in _openhands_calls(s):
+        msgs.append({"role": "assistant", "content": thought, "tool_calls": [{
             "id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]})
-        if st.tool != "submit":
-            out = st.output + (f"\n[The command completed with exit code {st.rc}.]" if st.tool == "bash" else "")
+        if out is not None:
             msgs.append({"role": "tool", "name": name, "tool_call_id": cid,
                          "content": [{"type": "text", "text": out}]})
-    tests = [st.output for st in s.steps if st.args.get("command", "").startswith("python -m pytest")]
     rec = {"instance_id": s.id, "messages": msgs, "tools": OPENHANDS_TOOLS, "git_patch": s.steps[-1].output,
-           "resolved": bool(tests) and " passed in " in tests[-1] and " failed" not in tests[-1]}
-    # OpenHands mounts the repository under /workspace, not /testbed.
-    return json.loads(json.dumps(rec).replace(ROOT, root))
+           "resolved": _resolved(s)}
+    return _at_workspace(rec, s)
+
+
+def _oh_action(name: str, args: dict, thought: str) -> tuple:
+    """(OpenHands action type, its args) for a call: the event its controller records."""
+    if name == "execute_bash":
+        return "run", {"command": args["command"], "is_input": False, "thought": thought}
+    if name == "finish":
+        return "finish", {"final_thought": args["message"], "task_completed": "true", "outputs": {},
+                          "thought": thought}
+    kind = "read" if args.get("command") == "view" else "edit"
+    return kind, {**args, "thought": thought, "impl_source": "oh_aci"}
+
+
+def _oh_observation(name: str, args: dict, out: str) -> tuple:
+    """(observation type, content, extras): a command's exit code goes in its metadata,
+    and the line the agent was shown after the output in its suffix (as OpenHands saves it)."""
+    if name != "execute_bash":
+        return ("read" if args.get("command") == "view" else "edit"), out, {"path": args.get("path")}
+    body, sep, tail = out.rpartition("\n[The command completed with exit code ")
+    rc = int(tail.rstrip(".]")) if sep else 0
+    return "run", body if sep else out, {"command": args["command"], "metadata": {
+        "exit_code": rc, "prefix": "", "suffix": sep + tail if sep else ""}}
+
+
+def openhands_events(s: Session) -> dict:
+    """The same run as OpenHands' evaluation harness saves it (an output.jsonl line): the
+    event stream, each call with the model response that made it, each observation
+    naming the action it answers (`cause`)."""
+    events = [{"id": 0, "source": "agent", "action": "system",
+               "args": {"content": EDITOR_SYSTEM, "tools": OPENHANDS_TOOLS}},
+              {"id": 1, "source": "user", "action": "message",
+               "args": {"content": _openhands_task(s), "image_urls": None}}]
+    for cid, name, args, thought, out in _openhands_calls(s):
+        call = {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+        meta = {"function_name": name, "tool_call_id": cid, "total_calls_in_response": 1,
+                "model_response": {"id": f"chatcmpl-{s.id}-{cid}", "choices": [{"message": {
+                    "role": "assistant", "content": thought, "tool_calls": [call]}}]}}
+        kind, action_args = _oh_action(name, args, thought)
+        act = {"id": len(events), "source": "agent", "action": kind, "args": action_args,
+               "tool_call_metadata": meta}
+        events.append(act)
+        if out is not None:
+            obs, content, extras = _oh_observation(name, args, out)
+            events.append({"id": len(events), "source": "agent", "observation": obs, "content": content,
+                           "extras": extras, "cause": act["id"], "tool_call_metadata": meta})
+    rec = {"instance_id": s.id, "instruction": _openhands_task(s), "history": events, "metrics": {},
+           "test_result": {"git_patch": s.steps[-1].output, "resolved": _resolved(s)}}
+    return _at_workspace(rec, s)
 
 
 WRITERS = {"mini-swe-agent": mini_swe_agent, "swe-agent": swe_agent, "openhands": openhands}
+# OpenHands records alternate between its two saves (the event stream first).
+OPENHANDS_SAVES = (openhands_events, openhands)
+
+
+def writer(layout: str, i: int):
+    """How record `i` of the corpus, in `layout`, is saved."""
+    if layout == "openhands":
+        return OPENHANDS_SAVES[(i // len(LAYOUTS)) % len(OPENHANDS_SAVES)]
+    return WRITERS[layout]

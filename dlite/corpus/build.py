@@ -5,7 +5,8 @@
            standard-library source (today's corpus)
   agent    `dlite.corpus.agent_run`: a scripted agent running real commands on copies of
            installed packages, saved as mini-swe-agent / SWE-agent / OpenHands runs
-           (record i in layout i % 3); held-out sessions are on held-out packages
+           (record i in layout i % 3; OpenHands ones alternate between its event
+           stream and SWE-Gym messages); held-out sessions are on held-out packages
   mixed    the two interleaved: even records builtin, odd records agent
 
 Record i never depends on n (each has its own seeded generator), so a held-out set of 3
@@ -38,7 +39,7 @@ def _agent_one(split: str, seed: int, i: int, min_chars: int, max_chars: int) ->
     layout = L.LAYOUTS[i % len(L.LAYOUTS)]
     pkg = rng.choice(agent_run.packages(split))
     s = agent_run.run_session(rng, pkg, L.STYLE[layout], min_chars, max_chars, f"agent-{split}-{i:06d}")
-    return L.WRITERS[layout](s)
+    return L.writer(layout, i)(s)
 
 
 def agent_sessions(split: str, n: int, seed: int, min_chars: int, max_chars: int,

@@ -21,7 +21,7 @@ def test_collect_reads_every_layout(ray_session, random_target, tmp_path):
     m = collect(_cfg(random_target), "builtin:train", str(tmp_path / "shards"))
     c = m["counts"]
     assert (c["read"], c["written"], c["quarantined"]) == (3, 3, 0)
-    assert c["formats"] == {"mini-swe-agent": 1, "openai": 1, "swe-agent": 1}
+    assert c["formats"] == {"mini-swe-agent": 1, "openhands": 1, "swe-agent": 1}
     assert c["supervised_tokens"] > 0
 
 

@@ -108,7 +108,7 @@ def test_each_layout_is_read_by_collects_reader(tmp_path):
     paths = build.write_layout_files(recs, tmp_path)
     assert sorted(p.name.split(".", 1)[-1] for p in paths) == ["jsonl", "traj", "traj.json"]
     specs, _ = formats.plan_input(str(tmp_path), per_shard=8)
-    assert formats.count_formats(specs) == {"mini-swe-agent": 1, "openai": 1, "swe-agent": 1}
+    assert formats.count_formats(specs) == {"mini-swe-agent": 1, "openhands": 1, "swe-agent": 1}
     got = [json.loads(p) for p in _prepare({"spec": [json.dumps(s) for s in specs]}, [], True)["payload"]]
     assert sum(g["read"] for g in got) == 3 and not any(g["quarantine"] for g in got)
     by_id = {r["id"]: r for g in got for r in g["records"]}
@@ -123,8 +123,22 @@ def test_each_layout_is_read_by_collects_reader(tmp_path):
             assert all(len(m["tool_calls"]) == 1 for m in asst)
             tools = [m for m in rec["messages"] if m["role"] == "tool"]
             assert len(tools) >= len(asst) - 1 and all(m["content"] for m in tools)
-            root = "/workspace/" if fmt == "openai" else "/testbed"
+            root = "/workspace/" if fmt == "openhands" else "/testbed"
             assert root in json.dumps(rec)
+
+
+def test_both_openhands_saves_of_a_run_read_as_one_conversation(sessions):
+    """OpenHands records alternate between the shared chat messages (SWE-Gym) and its own
+    event stream: collection's readers give the same conversation from either (the event
+    stream's tool results carry no tool name; nothing renders it)."""
+    s = sessions["editor"]
+    msgs, events = L.openhands(s), L.openhands_events(s)
+    assert (formats.source_format(msgs), formats.source_format(events)) == ("openai", "openhands")
+    a, b = (formats.normalise(formats.to_canonical(r, "x")) for r in (msgs, events))
+    plain = lambda ms: [{k: v for k, v in m.items() if k != "name"} for m in ms]  # noqa: E731
+    assert plain(a["messages"]) == plain(b["messages"]) and a["tools"] == b["tools"]
+    assert [e.get("observation") for e in events["history"] if "observation" in e].count("run") >= 1
+    assert [L.writer("openhands", i) for i in (2, 5, 8)] == [L.openhands_events, L.openhands, L.openhands_events]
 
 
 def test_a_broken_session_is_quarantined_with_its_reason(tmp_path):
