@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Sequence
 import torch
 
 from dlite.config_schema import HYBRIDS
-from dlite.decoding.calibration import Calibration, CostCurve, fit
+from dlite.decoding.calibration import MODEL_ALONE, Calibration, CostCurve, fit
 from dlite.decoding.hybrid import TreeHybrid
 
 FLAT = CostCurve((1,), (1.0,))  # every node is worth verifying: nothing pruned
@@ -45,9 +45,22 @@ def calibration_builders(ev, primary, vocab_size: int) -> Dict[str, object]:
 
 
 def branch_records(raw: dict) -> List[dict]:
-    """Every `branches` entry of every round in `replay_methods`' raw results."""
+    """Every `branches` entry of every round in `replay_methods`' raw results; a learned
+    drafter's branch in a round where no token drafter proposed anything once more as
+    source `MODEL_ALONE` (see `round_branches`)."""
     return [b for per_t in raw.values() for results, _ in per_t.values()
-            for res in results for r in res["rounds"] for b in r.get("branches", [])]
+            for res in results for r in res["rounds"] for b in round_branches(r.get("branches", []))]
+
+
+def round_branches(branches: List[dict]) -> List[dict]:
+    """One round's branches, plus the learned drafter's again as `MODEL_ALONE` when it is
+    the round's only one. A hybrid decides whether to run the drafter from its typical
+    block, and without a token proposal that is the typical block of the rounds where
+    copying finds nothing, not of every round: on agent histories those are the free-text
+    turns, where the drafter does worse than on average."""
+    if branches and all(b["source"] == "model" for b in branches):
+        return branches + [{**b, "source": MODEL_ALONE} for b in branches]
+    return branches
 
 
 def fit_calibration(target, tokenizer, ev, primary, vocab_size: int, records: list, max_turns=None) -> dict:
@@ -62,8 +75,11 @@ def fit_calibration(target, tokenizer, ev, primary, vocab_size: int, records: li
                             max_turns=max_turns or ev.max_turns)
     obs = branch_records(raw)
     tasks = len(next(iter(raw.values()))["0.0"][0])
-    out = fit(obs, {"records": [r.get("id") for r in records], "tasks": tasks,
-                    "methods": sorted(builders)}).to_dict()
+    cal = fit(obs, {"records": [r.get("id") for r in records], "tasks": tasks, "methods": sorted(builders)})
+    out = cal.to_dict()
+    # What each source's block is worth before it is drafted (the learned drafter's
+    # decides whether it runs): for a reader of the report, not read back.
+    out["typical"] = {s: [round(p, 4) for p in cal.typical_probs(s, primary.gamma)] for s in sorted(cal.by_depth)}
     if ev.measure_verify_cost:
         out["cost"] = measure_cost(target, cost_context(ev), threads=ev.threads, drafter=primary)
     return out

@@ -30,6 +30,9 @@ set another machine's."""
 import dataclasses
 from typing import Dict, Iterable, List, Sequence, Tuple
 
+# The learned drafter's observations in rounds where no token drafter proposed: a source
+# of its own, so that its typical block there is known (`calibrate.round_branches`).
+MODEL_ALONE = "model_alone"
 PROB_EDGES = tuple(round(0.1 * i, 1) for i in range(1, 10))  # 10 bins over [0, 1]
 MATCH_EDGES = (2, 3, 4, 5, 6, 8)  # match length 1, 2, ..., 6-7, 8+
 DEPTH_EDGES = (1, 2, 4)  # slot 0, 1, 2-3, 4+
@@ -118,6 +121,9 @@ class Calibration:
 
     def slot_probs(self, source: str, feats: Sequence[float]) -> List[float]:
         return [self.prob(source, x, k) for k, x in enumerate(feats)]
+
+    def fitted(self, source: str) -> bool:
+        return source in self.by_depth
 
     def typical_probs(self, source: str, n: int) -> List[float]:
         """P(slot k accepted | the slots before it) for k < n, averaged over the features

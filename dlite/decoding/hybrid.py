@@ -6,8 +6,9 @@ round either
   unit of verification cost, `(1 + E[accepted]) / cost(n + 1)`, from each proposer's
   calibrated per-slot confidence (`dlite.decoding.calibration`); the learned drafter is
   not even run when the token proposals -- or, without any, a plain target step --
-  are worth more than its typical block (its draft cost counted), that block's
-  acceptance corrected by what this request has seen of it so far (`model_factor`);
+  are worth more than its typical block (its draft cost counted; without a proposal,
+  its typical block in validation rounds without one), that block's acceptance
+  corrected by what this request has seen of it so far (`model_factor`);
 - `TreeHybrid`: every proposal (SuffixDecoding: every branch of its own tree) verified
   in one forward as a token tree (`dlite.decoding.tree`; the learned drafter joins by
   the same rule), the nodes kept within
@@ -25,7 +26,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from dlite.decoding.calibration import Calibration, CostCurve
+from dlite.decoding.calibration import MODEL_ALONE, Calibration, CostCurve
 from dlite.decoding.lookup import token_block
 from dlite.decoding.tree import Branch, branch_matches
 from dlite.models.common import recording_confidences
@@ -53,8 +54,12 @@ class _Proposers:
             raise ValueError(f"a hybrid takes one token drafter per source, got {sources}")
         self.model, self.skip_model, self.online_prior = model, skip_model, online_prior
         self.calibration, self.cost = calibration or Calibration(), cost or CostCurve()
-        # The learned drafter's typical block: fixed by the calibration, read every round.
+        # The learned drafter's typical block: fixed by the calibration, read every round;
+        # and where no token drafter proposes, the typical block of such rounds (fitted
+        # apart: `calibrate.round_branches`), else the same.
         self.typical = self.calibration.typical_probs("model", model.gamma)
+        self.typical_alone = self.calibration.typical_probs(MODEL_ALONE, model.gamma) \
+            if self.calibration.fitted(MODEL_ALONE) else self.typical
         self.vocab_size = self.lookups[0].vocab_size
         self.gamma = max(model.gamma, *(lk.gamma for lk in self.lookups))
         self.target_layer_ids, self.needs_history = model.target_layer_ids, False
@@ -147,12 +152,13 @@ class _Proposers:
         state["online"]["hits"] += min(matched, seen)
         state["online"]["expected"] += sum(probs[:seen])
 
-    def model_value(self, state=None) -> float:
+    def model_value(self, state=None, alone: bool = False) -> float:
         """What running the learned drafter is worth before it drafts: the value of its
         typical block (the calibration's acceptance per depth, averaged over what the
-        fit saw; unfitted: as sure as it could be; corrected by this request's rounds
-        when `state` is given), its draft cost counted."""
-        typical = self._corrected(self.typical, state)
+        fit saw -- `alone`: over the rounds where no token drafter proposed; unfitted:
+        as sure as it could be; corrected by this request's rounds when `state` is
+        given), its draft cost counted."""
+        typical = self._corrected(self.typical_alone if alone else self.typical, state)
         if state is not None:  # its typical block, as sure as it has been on this request
             typical = [min(1.0, p * self.confidence_factor(state)) for p in typical]
         return self.cost.best_prefix(typical, drafted=True)[1]
@@ -166,7 +172,7 @@ class _Proposers:
         if not self.skip_model:
             return True
         floor = self.cost.value(0.0, 0) if token_value is None else token_value
-        return floor < self.model_value(state)
+        return floor < self.model_value(state, alone=token_value is None)
 
     def _online_info(self, state) -> dict:
         """For the round's record: whether the learned drafter ran, this request's factor."""

@@ -243,6 +243,7 @@ def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     assert list(calibration_builders(ev, drafter, len(tokenizer))) == ["calib_prompt_lookup"]
     cal = fit_calibration(tm, tokenizer, ev, drafter, len(tokenizer), [TRAJ])
     assert cal["fitted_on"]["records"] == ["t1"] and cal["fitted_on"]["slots"]["model"] > 0
+    assert len(cal["typical"]["model"]) == 4 and set(cal["typical"]) == set(cal["by_depth"])
     # Priced by the configured CPU curve (the tiny target's measured one is nearly flat:
     # there, verifying one more token costs next to nothing, so even a poor one pays).
     builders = method_builders(ev, {"dlite": drafter}, len(tokenizer), {**cal, "cost": None})
@@ -253,7 +254,13 @@ def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     # A random drafter is never right: the fit says so, and the tree then leaves it out.
     m = cal["maps"]["model"]
     assert max(p for p, n in zip(m["p"], m["n"]) if n) < 0.2 and "model" not in tree["branches"]
-    assert branch_records(raw)  # tree rounds record their branches
+    # Tree rounds record their branches; the learned drafter's branch of a round without
+    # a token proposal counts twice, once as its own source.
+    rounds = [r["branches"] for per_t in raw.values() for results, _ in per_t.values()
+              for res in results for r in res["rounds"] if r.get("branches")]
+    alone = sum(all(b["source"] == "model" for b in bs) for bs in rounds)
+    recs = branch_records(raw)
+    assert len(recs) == sum(map(len, rounds)) + alone and sum(b["source"] == "model_alone" for b in recs) == alone
     # The cost curve was measured on this target, one point per size, never decreasing,
     # and the hybrids price verification by it.
     cost = cal["cost"]
@@ -358,6 +365,28 @@ def test_the_learned_drafter_runs_only_where_its_typical_block_could_win(model):
     # its draft cost counts: the same block is worth less when drafting it costs a step
     costly = ChooseHybrid(model, _lookup(REPEAT), cal, CostCurve(draft=1.0))
     assert costly.model_value() < hybrid.model_value()
+
+
+def test_without_a_proposal_the_drafter_is_judged_by_rounds_without_one(model):
+    """Fitted where the learned drafter holds beside a token proposal (copying rounds)
+    and fails alone (free text): its typical block alone is the failing one, so with no
+    proposal the round is a plain step; rated on every round, it would have run."""
+    from dlite.decoding.calibrate import round_branches
+    from dlite.decoding.calibration import MODEL_ALONE
+    beside = [{"source": "model", "feats": [0.95] * 4, "matched": 4},
+              {"source": "lookup", "feats": [3.0] * 4, "matched": 4}]
+    alone = [{"source": "model", "feats": [0.95] * 4, "matched": 0}]
+    assert round_branches(beside) == beside
+    assert [b["source"] for b in round_branches(alone)] == ["model", MODEL_ALONE]
+    cal = fit([b for r in [beside] * 12 + [alone] * 12 for b in round_branches(r)])
+    assert cal.typical_probs(MODEL_ALONE, 4)[0] < 0.25 < 0.5 < cal.typical_probs("model", 4)[0]
+    hybrid = TreeHybrid(model, _lookup([1, 2, 3]), cal)
+    assert not hybrid.model_worth_running(None) and hybrid.model_value() > hybrid.model_value(alone=True)
+    pooled = fit([b for r in [beside] * 12 + [alone] * 12 for b in r])  # no split: as before
+    assert not pooled.fitted(MODEL_ALONE) and TreeHybrid(model, _lookup([1, 2, 3]), pooled).model_worth_running(None)
+    choose = ChooseHybrid(model, _lookup([1, 2, 3]), cal)
+    tokens, _, state = choose.draft(choose.new_state(), torch.zeros(1, model.feature_dim), 9, 3, 0.0)
+    assert tokens.numel() == 0 and state["ran"] is False
 
 
 def test_a_request_that_rejects_the_learned_drafter_stops_running_it(target, model):
