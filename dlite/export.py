@@ -216,13 +216,14 @@ def _check_header(f: Path) -> None:
 
 
 def _check_target(path: Path, config: dict, want) -> str:
-    want = want.get("id") if isinstance(want, dict) else want
+    from dlite.target import same_target
     have = config.get("target_fingerprint")
     if want is None:
         return "target fingerprint not compared"
     if have is None:
         return "no target fingerprint recorded"
-    if have != want:
+    if not same_target(have, want):
+        want = want.get("id") if isinstance(want, dict) else want
         raise ArtifactError(f"{path / 'config.json'}: drafter trained for target_fingerprint {have!r}, "
                             f"but the configured target's fingerprint is {want!r}")
     return "target fingerprint ok"

@@ -54,7 +54,7 @@ def require_artifacts(cfg, dirs: List[str], tag: str, need_target: bool = True) 
     from dlite import target
     from dlite.export import ArtifactError, check_artifact
     try:
-        want = target.fingerprint(cfg.target)["id"]
+        want = target.fingerprint(cfg.target)
     except (OSError, ValueError) as e:
         if need_target:
             _exit("config error", e)

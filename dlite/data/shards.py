@@ -222,8 +222,9 @@ def read_manifest(uri: str, expect_fingerprint=None) -> dict:
         raise ShardError(f"{uri}: shard schema version {m.get('schema_version')}, this code "
                          f"reads version {SCHEMA_VERSION}: recollect the features")
     if expect_fingerprint is not None:
+        from dlite.target import same_target
         have, want = m["target_fingerprint"]["id"], _fingerprint_id(expect_fingerprint)
-        if have != want:
+        if not same_target(have, expect_fingerprint):
             raise ShardError(f"{uri}: features come from target {have}, but the target "
                              f"is {want}: recollect them with this target")
     return m

@@ -29,16 +29,22 @@ def tokenizer_dir(target_cfg) -> Path:
     return sources.tokenizer_dir(target_cfg.path)
 
 
-def _hash_files(h, root: Path, names) -> None:
+def _hash_files(h, root: Path, names, raw=None) -> None:
+    """Files `names` under `root` into `h`; `raw` (another hasher) gets the same bytes
+    except config.json's as they are on disk (the id this code gave before)."""
     for name in names:
         for f in sorted(root.glob(name)):
-            h.update(f.name.encode())
+            for x in filter(None, (h, raw)):
+                x.update(f.name.encode())
             if f.name == "config.json":
                 h.update(_config_bytes(f))
+                if raw is not None:
+                    raw.update(f.read_bytes())
                 continue
             with open(f, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
+                    for x in filter(None, (h, raw)):
+                        x.update(chunk)
 
 
 def _config_bytes(f: Path) -> bytes:
@@ -47,22 +53,41 @@ def _config_bytes(f: Path) -> bytes:
     already recorded for such targets stay valid."""
     raw = f.read_bytes()
     cfg = json.loads(raw)
-    if not any(k in cfg for k in _PLACE_KEYS):
+    if not _names_its_place(f):
         return raw
     return json.dumps({k: v for k, v in cfg.items() if k not in _PLACE_KEYS}, sort_keys=True).encode()
 
 
+def _names_its_place(config: Path) -> bool:
+    return any(k in json.loads(config.read_bytes()) for k in _PLACE_KEYS)
+
+
 def fingerprint(target_cfg) -> dict:
-    """Content hashes of the weights and the tokenizer (chat template included)."""
+    """Content hashes of the weights and the tokenizer (chat template included). A
+    config.json naming where it was made also gets `also`: the id it had here before
+    that was left out of the hash, so features and drafters recorded with it stay
+    usable on this machine (`same_target`)."""
     tdir, kdir = target_dir(target_cfg), tokenizer_dir(target_cfg)
     if not (tdir / "config.json").exists():
         raise FileNotFoundError(f"target.path: no config.json under {tdir}")
     w, t = hashlib.sha256(), hashlib.sha256()
-    _hash_files(w, tdir, _WEIGHT_GLOBS)
+    legacy = hashlib.sha256() if _names_its_place(tdir / "config.json") else None
+    _hash_files(w, tdir, _WEIGHT_GLOBS, legacy)
     _hash_files(t, kdir, _TOKENIZER_FILES)
     weights, tok = w.hexdigest()[:16], t.hexdigest()[:16]
-    return {"name": target_cfg.name, "revision": target_cfg.revision or weights,
-            "weights_sha": weights, "tokenizer_sha": tok, "id": f"{weights}-{tok}"}
+    out = {"name": target_cfg.name, "revision": target_cfg.revision or weights,
+           "weights_sha": weights, "tokenizer_sha": tok, "id": f"{weights}-{tok}"}
+    if legacy is not None:
+        out["also"] = [f"{legacy.hexdigest()[:16]}-{tok}"]
+    return out
+
+
+def same_target(have: str, want) -> bool:
+    """Does a recorded fingerprint id `have` name the target `want` (its fingerprint,
+    or an id)? Its id, or one of its earlier ids (`also`)."""
+    if isinstance(want, dict):
+        return have == want["id"] or have in (want.get("also") or [])
+    return have == want
 
 
 def torch_dtype(target_cfg):

@@ -75,11 +75,12 @@ def test_a_finished_conversion_is_reused_and_a_partial_one_ignored(tmp_path, mon
 
 def test_the_fingerprint_ignores_where_the_checkpoint_was_made(tmp_path):
     """One GGUF converted under two site-packages dirs: transformers writes each path into
-    config.json's `_name_or_path`; the fingerprint is the same, and a real change moves it."""
+    config.json's `_name_or_path`; the fingerprint is the same, and a real change moves
+    it. The id each had before is still accepted as that target's."""
     import shutil
-    from dlite import tiny
+    from dlite import export, tiny
     src = sources.target_dir("builtin:tiny")
-    ids = []
+    fps = []
     for name, extra in (("a", {"_name_or_path": "/home/u/.venv/site-packages/pkg"}),
                         ("b", {"_name_or_path": "/tmp/ci/.venv/site-packages/pkg"}),
                         ("c", {"_name_or_path": "/x", "rms_norm_eps": 1e-3})):
@@ -89,8 +90,18 @@ def test_the_fingerprint_ignores_where_the_checkpoint_was_made(tmp_path):
             shutil.copy(f, d / f.name)
         cfg = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2))
-        ids.append(tgt.fingerprint(SimpleNamespace(path=str(d), name="t", revision=None))["id"])
+        fps.append(tgt.fingerprint(SimpleNamespace(path=str(d), name="t", revision=None)))
+    ids = [fp["id"] for fp in fps]
     assert ids[0] == ids[1] and ids[2] != ids[0]
+    # What each was fingerprinted as before (the config's bytes as they are) stays its
+    # own: features and drafters recorded with it are still this target's, not another's.
+    legacy = [fp["also"][0] for fp in fps]
+    assert len(set(legacy)) == 3 and not set(legacy) & set(ids)
+    assert tgt.same_target(legacy[0], fps[0]) and not tgt.same_target(legacy[1], fps[0])
+    assert export._check_target(tmp_path, {"target_fingerprint": legacy[0]}, fps[0]) == "target fingerprint ok"
+    with pytest.raises(export.ArtifactError, match="drafter trained for target_fingerprint"):
+        export._check_target(tmp_path, {"target_fingerprint": legacy[0]}, fps[0]["id"])
+    assert "also" not in tgt.fingerprint(SimpleNamespace(path="builtin:tiny", name="tiny", revision=None))
 
 
 def test_every_eos_id_of_the_generation_config():
