@@ -32,34 +32,31 @@ def tokenizer_dir(target_cfg) -> Path:
 def _hash_files(h, root: Path, names, raw=None) -> None:
     """Files `names` under `root` into `h`; `raw` (another hasher) gets the same bytes
     except config.json's as they are on disk (the id this code gave before)."""
+    hashers = [x for x in (h, raw) if x is not None]
     for name in names:
         for f in sorted(root.glob(name)):
-            for x in filter(None, (h, raw)):
+            for x in hashers:
                 x.update(f.name.encode())
             if f.name == "config.json":
-                h.update(_config_bytes(f))
+                data = f.read_bytes()
+                h.update(_config_bytes(data))
                 if raw is not None:
-                    raw.update(f.read_bytes())
+                    raw.update(data)
                 continue
             with open(f, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    for x in filter(None, (h, raw)):
+                    for x in hashers:
                         x.update(chunk)
 
 
-def _config_bytes(f: Path) -> bytes:
+def _config_bytes(data: bytes) -> bytes:
     """config.json as hashed: its bytes, or, when it names where it was made, its keys
     without those (sorted). A config without them hashes as before, so the fingerprints
     already recorded for such targets stay valid."""
-    raw = f.read_bytes()
-    cfg = json.loads(raw)
-    if not _names_its_place(f):
-        return raw
+    cfg = json.loads(data)
+    if not any(k in cfg for k in _PLACE_KEYS):
+        return data
     return json.dumps({k: v for k, v in cfg.items() if k not in _PLACE_KEYS}, sort_keys=True).encode()
-
-
-def _names_its_place(config: Path) -> bool:
-    return any(k in json.loads(config.read_bytes()) for k in _PLACE_KEYS)
 
 
 def fingerprint(target_cfg) -> dict:
@@ -71,7 +68,8 @@ def fingerprint(target_cfg) -> dict:
     if not (tdir / "config.json").exists():
         raise FileNotFoundError(f"target.path: no config.json under {tdir}")
     w, t = hashlib.sha256(), hashlib.sha256()
-    legacy = hashlib.sha256() if _names_its_place(tdir / "config.json") else None
+    config = (tdir / "config.json").read_bytes()
+    legacy = hashlib.sha256() if _config_bytes(config) != config else None
     _hash_files(w, tdir, _WEIGHT_GLOBS, legacy)
     _hash_files(t, kdir, _TOKENIZER_FILES)
     weights, tok = w.hexdigest()[:16], t.hexdigest()[:16]
