@@ -140,14 +140,18 @@ def swe_agent(s: Session) -> dict:
 
 
 def _openhands_calls(s: Session):
-    """(call id, tool name, args, thought, the result the agent saw or None) per step."""
+    """(call id, tool name, args, thought, the step whose output the agent saw or None)
+    per step."""
     for i, st in enumerate(s.steps, 1):
         if st.tool == "submit":
             yield f"toolu_{i:02d}", "finish", {"message": s.summary}, st.thought, None
             continue
-        name = "execute_bash" if st.tool == "bash" else st.tool
-        out = st.output + (f"\n[The command completed with exit code {st.rc}.]" if st.tool == "bash" else "")
-        yield f"toolu_{i:02d}", name, st.args, st.thought, out
+        yield f"toolu_{i:02d}", "execute_bash" if st.tool == "bash" else st.tool, st.args, st.thought, st
+
+
+def _exit_line(st: Step) -> str:
+    """What OpenHands shows after a command's output (editor results: nothing)."""
+    return f"\n[The command completed with exit code {st.rc}.]" if st.tool == "bash" else ""
 
 
 def _openhands_task(s: Session) -> str:
@@ -167,12 +171,12 @@ def _resolved(s: Session) -> bool:
 def openhands(s: Session) -> dict:
     """The chat messages OpenHands' function-calling runs are shared as (SWE-Gym)."""
     msgs = [{"role": "system", "content": EDITOR_SYSTEM}, {"role": "user", "content": _openhands_task(s)}]
-    for cid, name, args, thought, out in _openhands_calls(s):
+    for cid, name, args, thought, st in _openhands_calls(s):
         msgs.append({"role": "assistant", "content": thought, "tool_calls": [{
             "id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]})
-        if out is not None:
+        if st is not None:
             msgs.append({"role": "tool", "name": name, "tool_call_id": cid,
-                         "content": [{"type": "text", "text": out}]})
+                         "content": [{"type": "text", "text": st.output + _exit_line(st)}]})
     rec = {"instance_id": s.id, "messages": msgs, "tools": OPENHANDS_TOOLS, "git_patch": s.steps[-1].output,
            "resolved": _resolved(s)}
     return _at_workspace(rec, s)
@@ -189,15 +193,14 @@ def _oh_action(name: str, args: dict, thought: str) -> tuple:
     return kind, {**args, "thought": thought, "impl_source": "oh_aci"}
 
 
-def _oh_observation(name: str, args: dict, out: str) -> tuple:
-    """(observation type, content, extras): a command's exit code goes in its metadata,
-    and the line the agent was shown after the output in its suffix (as OpenHands saves it)."""
-    if name != "execute_bash":
-        return ("read" if args.get("command") == "view" else "edit"), out, {"path": args.get("path")}
-    body, sep, tail = out.rpartition("\n[The command completed with exit code ")
-    rc = int(tail.rstrip(".]")) if sep else 0
-    return "run", body if sep else out, {"command": args["command"], "metadata": {
-        "exit_code": rc, "prefix": "", "suffix": sep + tail if sep else ""}}
+def _oh_observation(kind: str, args: dict, st: Step) -> tuple:
+    """(content, extras) of the observation answering action `kind` (a run, read or
+    edit: the observation has the same type): a command's exit code in its metadata,
+    and the line the agent was shown after the output as its suffix (as OpenHands saves it)."""
+    if kind != "run":
+        return st.output, {"path": args.get("path")}
+    return st.output, {"command": args["command"], "metadata": {"exit_code": st.rc, "prefix": "",
+                                                                "suffix": _exit_line(st)}}
 
 
 def openhands_events(s: Session) -> dict:
@@ -208,7 +211,7 @@ def openhands_events(s: Session) -> dict:
                "args": {"content": EDITOR_SYSTEM, "tools": OPENHANDS_TOOLS}},
               {"id": 1, "source": "user", "action": "message",
                "args": {"content": _openhands_task(s), "image_urls": None}}]
-    for cid, name, args, thought, out in _openhands_calls(s):
+    for cid, name, args, thought, st in _openhands_calls(s):
         call = {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
         meta = {"function_name": name, "tool_call_id": cid, "total_calls_in_response": 1,
                 "model_response": {"id": f"chatcmpl-{s.id}-{cid}", "choices": [{"message": {
@@ -217,9 +220,9 @@ def openhands_events(s: Session) -> dict:
         act = {"id": len(events), "source": "agent", "action": kind, "args": action_args,
                "tool_call_metadata": meta}
         events.append(act)
-        if out is not None:
-            obs, content, extras = _oh_observation(name, args, out)
-            events.append({"id": len(events), "source": "agent", "observation": obs, "content": content,
+        if st is not None:
+            content, extras = _oh_observation(kind, args, st)
+            events.append({"id": len(events), "source": "agent", "observation": kind, "content": content,
                            "extras": extras, "cause": act["id"], "tool_call_metadata": meta})
     rec = {"instance_id": s.id, "instruction": _openhands_task(s), "history": events, "metrics": {},
            "test_result": {"git_patch": s.steps[-1].output, "resolved": _resolved(s)}}
