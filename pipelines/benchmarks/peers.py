@@ -10,7 +10,8 @@ Steps (each reused when finished in the work directory, `<run.output_dir>/peers`
 trained and exported (`peers_train`); (2) the check against SpecForge's own decode loop
 on >= 20 held-out prompts (`peers_check`: same accepted length every round, both outputs
 equal plain greedy); (3) the evaluation stage over `specforge_dflash` and our drafters
-(--drafter, default: this config's finished align stage) plus `eval.baselines`: tau by
+(--drafter, default: this config's finished align stage) plus `eval.baselines`, prompt
+lookup and SuffixDecoding always among them: tau by
 bucket, draft ms per round and drafter cache bytes by bucket, speedup, lossless.
 --shards defaults to this config's finished collect stage (`storage_mode: full`).
 Needs the optional extra: `pip install -e ".[peers]"` then `pip install specforge==0.2.0
@@ -24,6 +25,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 CHECK_PROMPTS, CHECK_NEW_TOKENS, CHECK_MAX_CONTEXT = 20, 32, 2048
+TRAINING_FREE = ("prompt_lookup", "suffix")
 
 
 def _finished(cfg, stage: str):
@@ -71,6 +73,13 @@ def _rows(report: dict) -> dict:
     return {name: {k: m.get(k) for k in keys} for name, m in report["methods"].items()}
 
 
+def with_training_free(cfg):
+    """The config with prompt lookup and SuffixDecoding among `eval.baselines`: the
+    peer's row sits beside the training-free methods as well as our drafters."""
+    have = list(cfg.eval.baselines)
+    return OmegaConf.merge(cfg, {"eval": {"baselines": have + [b for b in TRAINING_FREE if b not in have]}})
+
+
 def run(cfg, args) -> dict:
     from transformers import AutoConfig
     from dlite import target as tgt
@@ -93,7 +102,8 @@ def run(cfg, args) -> dict:
     if not check_file.is_file():
         check_file.write_text(json.dumps(loop_check(cfg, export, CHECK_PROMPTS), indent=2))
     check = json.loads(check_file.read_text())
-    report = evaluate_stage(cfg, {**ours, "specforge_dflash": str(export)}, work / "evaluate")
+    report = evaluate_stage(with_training_free(cfg), {**ours, "specforge_dflash": str(export)},
+                            work / "evaluate")
     rows = _rows(report)
     dl, df = rows.get(next(iter(ours))), rows.get("specforge_dflash")
     return {"methods": rows, "primary": next(iter(ours)),

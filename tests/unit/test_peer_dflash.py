@@ -124,3 +124,14 @@ def test_same_accepts_as_spec_generate_and_lossless(export, target, prompts):
     accepted = [a for r in report["rows"] for a in r["ours_accepted"]]
     # Rounds of several lengths, so agreement is more than "both reject everything".
     assert max(accepted) >= 2 and len(set(accepted)) >= 3, accepted
+
+
+def test_the_peer_row_sits_beside_the_training_free_methods():
+    """The peers benchmark evaluates prompt lookup and SuffixDecoding whatever the
+    config lists, keeping the config's own baselines and their order."""
+    from dlite.config import load_config
+    from pipelines.benchmarks.peers import with_training_free
+    cfg = load_config("configs/experiments/smollm2.yaml", [])
+    assert list(cfg.eval.baselines) == [] and list(with_training_free(cfg).eval.baselines) == ["prompt_lookup", "suffix"]
+    cfg = load_config("configs/experiments/smollm2.yaml", ["eval.baselines=[suffix]"])
+    assert list(with_training_free(cfg).eval.baselines) == ["suffix", "prompt_lookup"]
