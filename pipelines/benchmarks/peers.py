@@ -24,8 +24,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from dlite.config_schema import BASELINES
+
 CHECK_PROMPTS, CHECK_NEW_TOKENS, CHECK_MAX_CONTEXT = 20, 32, 2048
-TRAINING_FREE = ("prompt_lookup", "suffix")
 
 
 def _finished(cfg, stage: str):
@@ -77,7 +78,7 @@ def with_training_free(cfg):
     """The config with prompt lookup and SuffixDecoding among `eval.baselines`: the
     peer's row sits beside the training-free methods as well as our drafters."""
     have = list(cfg.eval.baselines)
-    return OmegaConf.merge(cfg, {"eval": {"baselines": have + [b for b in TRAINING_FREE if b not in have]}})
+    return OmegaConf.merge(cfg, {"eval": {"baselines": have + [b for b in BASELINES if b not in have]}})
 
 
 def run(cfg, args) -> dict:
