@@ -20,7 +20,7 @@ from typing import Dict, Iterable, List, Sequence
 import torch
 
 from dlite.config_schema import HYBRIDS
-from dlite.decoding.calibration import MODEL_ALONE, Calibration, CostCurve, fit
+from dlite.decoding.calibration import MODEL_ALONE, Calibration, CostCurve, fit, model_context, token_strength
 from dlite.decoding.hybrid import TreeHybrid
 
 FLAT = CostCurve((1,), (1.0,))  # every node is worth verifying: nothing pruned
@@ -39,28 +39,41 @@ def calibration_builders(ev, primary, vocab_size: int) -> Dict[str, object]:
     budget = 4 * max(gamma, primary.gamma)  # above any chain pair, and room for a suffix tree
 
     def one(model, lk):  # the learned drafter in every round: each is an observation of it
-        return TreeHybrid(model, lk, Calibration(), FLAT, budget, skip_model=False, online_prior=None)
+        return TreeHybrid(model, lk, Calibration(), FLAT, budget, skip_model=False, online_prior=None,
+                          exclusive=False)
     return {f"calib_{m}": (lambda m=m: _hybrid(primary, [_TOKEN_DRAFTERS[m](ev, vocab_size, gamma)], one))
             for m in scored_token_methods(ev.hybrids)}
 
 
 def branch_records(raw: dict) -> List[dict]:
-    """Every `branches` entry of every round in `replay_methods`' raw results; a learned
-    drafter's branch in a round where no token drafter proposed anything once more as
-    source `MODEL_ALONE` (see `round_branches`)."""
-    return [b for per_t in raw.values() for results, _ in per_t.values()
-            for res in results for r in res["rounds"] for b in round_branches(r.get("branches", []))]
+    """Every `branches` entry of every round in `replay_methods`' raw results, the
+    learned drafter's once more under the source of the round it was in (see
+    `round_branches`); how strong a round's token proposals were is read from a first
+    fit on the same rounds (the token drafters' maps do not depend on the second)."""
+    rounds = [r.get("branches", []) for per_t in raw.values() for results, _ in per_t.values()
+              for res in results for r in res["rounds"]]
+    first = fit([b for branches in rounds for b in branches])
+    return [b for branches in rounds for b in round_branches(branches, first)]
 
 
-def round_branches(branches: List[dict]) -> List[dict]:
-    """One round's branches, plus the learned drafter's again as `MODEL_ALONE` when it is
-    the round's only one. A hybrid decides whether to run the drafter from its typical
-    block, and without a token proposal that is the typical block of the rounds where
-    copying finds nothing, not of every round: on agent histories those are the free-text
-    turns, where the drafter does worse than on average."""
-    if branches and all(b["source"] == "model" for b in branches):
-        return branches + [{**b, "source": MODEL_ALONE} for b in branches]
-    return branches
+def round_branches(branches: List[dict], calibration: Calibration = None) -> List[dict]:
+    """One round's branches, plus the learned drafter's again as the source of rounds
+    like this one: `MODEL_ALONE` when it is the round's only one, else (with the token
+    drafters' `calibration`) `MODEL_BESIDE[...]` by the best token proposal's expected
+    accepted length. A hybrid decides whether to run the drafter from its typical block
+    in rounds like the one it is in: without a token proposal those are the free-text
+    turns of an agent history, where the drafter does worse than on average; beside a
+    weak one, the rounds where it is the only hope; beside a strong one, copying, where
+    it is not needed."""
+    models = [b for b in branches if b["source"] == "model"]
+    if not models:
+        return branches
+    if len(models) == len(branches):
+        return branches + [{**b, "source": MODEL_ALONE} for b in models]
+    if calibration is None:
+        return branches
+    context = model_context(token_strength(calibration, branches))
+    return branches + [{**b, "source": context} for b in models]
 
 
 def fit_calibration(target, tokenizer, ev, primary, vocab_size: int, records: list, max_turns=None) -> dict:

@@ -28,11 +28,17 @@ at 4K context, `jobs.benchmark target_probe` step costs: 1 / 2 / 4 / 8 tokens co
 set another machine's."""
 
 import dataclasses
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 # The learned drafter's observations in rounds where no token drafter proposed: a source
-# of its own, so that its typical block there is known (`calibrate.round_branches`).
+# of its own, so that its typical block there is known (`calibrate.round_branches`) ...
 MODEL_ALONE = "model_alone"
+# ... and in rounds where one did, by how strong the best token proposal was: its
+# calibrated expected accepted length E (`token_strength`) below 1, 1 to 2.5, 2.5 or more.
+# Rounds where copying finds a long sure continuation are not the rounds where it finds
+# a weak one, and the learned drafter is only worth its draft time in the second kind.
+STRENGTH_EDGES = (1.0, 2.5)
+MODEL_BESIDE = ("model_beside_weak", "model_beside_fair", "model_beside_strong")
 PROB_EDGES = tuple(round(0.1 * i, 1) for i in range(1, 10))  # 10 bins over [0, 1]
 MATCH_EDGES = (2, 3, 4, 5, 6, 8)  # match length 1, 2, ..., 6-7, 8+
 DEPTH_EDGES = (1, 2, 4)  # slot 0, 1, 2-3, 4+
@@ -176,6 +182,25 @@ def fit(branch_records: Iterable[dict], fitted_on: dict = None) -> Calibration:
                        for d in range(len(DEPTH_EDGES) + 1)]
     slots = {s: len(v) for s, v in obs.items()}
     return Calibration(maps, {**(fitted_on or {}), "slots": slots}, by_depth)
+
+
+def model_context(strength) -> str:
+    """The learned drafter's source for a round whose best token proposal has expected
+    accepted length `strength` (None: no token proposal)."""
+    if strength is None:
+        return MODEL_ALONE
+    return MODEL_BESIDE[sum(strength >= e for e in STRENGTH_EDGES)]
+
+
+def token_strength(calibration: "Calibration", branches: Iterable) -> Optional[float]:
+    """The largest expected accepted length among the token drafters' proposals
+    (`branches`: objects or dicts with `source` and `feats`; the learned drafter's are
+    skipped), None when there is none."""
+    def get(b, k):
+        return b[k] if isinstance(b, dict) else getattr(b, k)
+    vals = [expected_accepted(calibration.slot_probs(get(b, "source"), get(b, "feats")))[-1]
+            for b in branches if not get(b, "source").startswith("model")]
+    return max(vals) if vals else None
 
 
 def expected_accepted(slot_probs: Sequence[float]) -> List[float]:

@@ -6,14 +6,15 @@ round either
   unit of verification cost, `(1 + E[accepted]) / cost(n + 1)`, from each proposer's
   calibrated per-slot confidence (`dlite.decoding.calibration`); the learned drafter is
   not even run when the token proposals -- or, without any, a plain target step --
-  are worth more than its typical block (its draft cost counted; without a proposal,
-  its typical block in validation rounds without one), that block's acceptance
-  corrected by what this request has seen of it so far (`model_factor`);
+  are worth more than its typical block (its draft cost counted) in validation rounds
+  like this one (no token proposal, or a best one as weak or as strong), that block's
+  acceptance corrected by what this request has seen of it so far (`model_factor`);
 - `TreeHybrid`: every proposal (SuffixDecoding: every branch of its own tree) verified
   in one forward as a token tree (`dlite.decoding.tree`; the learned drafter joins by
   the same rule), the nodes kept within
   `budget` tokens chosen the same way: the most valuable first (a node's value is its
-  expected chance of being accepted), as many as maximise tokens per unit of cost.
+  expected chance of being accepted, siblings sharing their parent's, since the target
+  accepts one of them at most), as many as maximise tokens per unit of cost.
 
 Exactness at T > 0: what is verified may depend on deterministic proposals and on
 numbers fixed before the learned drafter draws anything (its first slot's largest
@@ -26,7 +27,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from dlite.decoding.calibration import MODEL_ALONE, Calibration, CostCurve
+from dlite.decoding.calibration import (MODEL_ALONE, MODEL_BESIDE, Calibration, CostCurve, model_context,
+                                        token_strength)
 from dlite.decoding.lookup import token_block
 from dlite.decoding.tree import Branch, branch_matches
 from dlite.models.common import recording_confidences
@@ -55,11 +57,12 @@ class _Proposers:
         self.model, self.skip_model, self.online_prior = model, skip_model, online_prior
         self.calibration, self.cost = calibration or Calibration(), cost or CostCurve()
         # The learned drafter's typical block: fixed by the calibration, read every round;
-        # and where no token drafter proposes, the typical block of such rounds (fitted
-        # apart: `calibrate.round_branches`), else the same.
+        # and in rounds like the one it is in (no token proposal, or a weak, fair or
+        # strong one), the typical block of such rounds where they were fitted apart
+        # (`calibrate.round_branches`), else the same.
         self.typical = self.calibration.typical_probs("model", model.gamma)
-        self.typical_alone = self.calibration.typical_probs(MODEL_ALONE, model.gamma) \
-            if self.calibration.fitted(MODEL_ALONE) else self.typical
+        self.typical_in = {c: self.calibration.typical_probs(c, model.gamma)
+                           for c in (MODEL_ALONE, *MODEL_BESIDE) if self.calibration.fitted(c)}
         self.vocab_size = self.lookups[0].vocab_size
         self.gamma = max(model.gamma, *(lk.gamma for lk in self.lookups))
         self.target_layer_ids, self.needs_history = model.target_layer_ids, False
@@ -152,27 +155,32 @@ class _Proposers:
         state["online"]["hits"] += min(matched, seen)
         state["online"]["expected"] += sum(probs[:seen])
 
-    def model_value(self, state=None, alone: bool = False) -> float:
+    def model_value(self, state=None, context: str = "model") -> float:
         """What running the learned drafter is worth before it drafts: the value of its
         typical block (the calibration's acceptance per depth, averaged over what the
-        fit saw -- `alone`: over the rounds where no token drafter proposed; unfitted:
-        as sure as it could be; corrected by this request's rounds when `state` is
-        given), its draft cost counted."""
-        typical = self._corrected(self.typical_alone if alone else self.typical, state)
+        fit saw -- in rounds of `context` (`calibration.model_context`) where those
+        were fitted apart, else over all; unfitted: as sure as it could be; corrected by
+        this request's rounds when `state` is given), its draft cost counted."""
+        typical = self._corrected(self.typical_in.get(context, self.typical), state)
         if state is not None:  # its typical block, as sure as it has been on this request
             typical = [min(1.0, p * self.confidence_factor(state)) for p in typical]
         return self.cost.best_prefix(typical, drafted=True)[1]
 
-    def model_worth_running(self, token_value: Optional[float], state=None) -> bool:
-        """Run the learned drafter only where its typical block beats the token
-        proposals' value -- None: there are none, so beats a plain target step (a
-        drafter whose best block is empty is not worth its draft time). Reads
-        deterministic proposals, the calibration and past rounds only, so the choice
-        never depends on a draw (exact at T > 0)."""
+    def model_worth_running(self, token_value: Optional[float], state=None, branches=None) -> bool:
+        """Run the learned drafter only where its typical block in rounds like this one
+        (the token proposals `branches`: none, or how strong the best is; not given: the
+        typical block over all rounds) beats the token proposals' value -- None: there
+        are none, so beats a plain target step (a drafter whose best block is empty is
+        not worth its draft time). Reads deterministic proposals, the calibration and
+        past rounds only, so the choice never depends on a draw (exact at T > 0)."""
         if not self.skip_model:
             return True
         floor = self.cost.value(0.0, 0) if token_value is None else token_value
-        return floor < self.model_value(state, alone=token_value is None)
+        if token_value is None:
+            context = MODEL_ALONE
+        else:
+            context = "model" if branches is None else model_context(token_strength(self.calibration, branches))
+        return floor < self.model_value(state, context)
 
     def _online_info(self, state) -> dict:
         """For the round's record: whether the learned drafter ran, this request's factor."""
@@ -200,7 +208,8 @@ class ChooseHybrid(_Proposers):
             n, v = self.cost.best_prefix(self.slot_probs(br))
             options.append((v, br, n))
         # Skip the learned drafter (its draft time too) when it cannot win this round.
-        if self.model_worth_running(max((o[0] for o in options), default=None), state):
+        if self.model_worth_running(max((o[0] for o in options), default=None), state,
+                                    [o[1] for o in options]):
             br = self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator)
             n, v = self.cost.best_prefix(self.slot_probs(br, state))
             options.append((v, br, min(n, len(br.tokens))))
@@ -231,11 +240,13 @@ class TreeHybrid(_Proposers):
     """Per round every proposal, as one token tree of at most `budget` draft tokens."""
 
     def __init__(self, model, lookup, calibration=None, cost=None, budget: int = 16, skip_model: bool = True,
-                 online_prior: Optional[float] = ONLINE_PRIOR):
+                 online_prior: Optional[float] = ONLINE_PRIOR, exclusive: bool = True):
         super().__init__(model, lookup, calibration, cost, skip_model, online_prior)
         if budget < 1:
             raise ValueError(f"tree budget must be >= 1, got {budget}")
-        self.budget = budget
+        # exclusive: siblings share their parent's chance (`_node_values`); off for the
+        # calibration's unpruned trees, where every proposed node must be verified.
+        self.budget, self.exclusive = budget, exclusive
 
     def draft_tree(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
                    generator: Optional[torch.Generator] = None) -> tuple:
@@ -243,24 +254,16 @@ class TreeHybrid(_Proposers):
         sampled, state["ran"] = temperature > 0, False
         # The learned drafter joins the tree only where it could add value: skipped
         # when the token branches alone are worth more than any learned block could be.
-        if self.model_worth_running(self._allocate(branches, sampled, state)[1] if branches else None, state):
+        token_value = self._allocate(branches, sampled, state)[1] if branches else None
+        if self.model_worth_running(token_value, state, branches):
             branches.append(self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator))
         keep, _ = self._allocate(branches, sampled, state)
         return [b.cut(k) for b, k in zip(branches, keep) if k], state
 
     def _allocate(self, branches: List[Branch], sampled: bool, state=None) -> tuple:
-        """(tokens kept per branch, the tree's value): nodes by value (the product of
-        calibrated slot probabilities to them), as many as maximise (1 + sum of values)
-        / cost(N + 1). Nodes are keyed by their path, so shared prefixes count once --
-        except the learned drafter's when sampling, whose tokens must not decide what
-        is kept."""
-        nodes = {}
-        for b, br in enumerate(branches):
-            run = 1.0
-            for k, p in enumerate(self.slot_probs(br, state)[: len(br.tokens)]):
-                run *= p
-                key = ("model", k) if sampled and br.source == "model" else tuple(br.tokens[: k + 1])
-                nodes[key] = max(nodes.get(key, 0.0), run)
+        """(tokens kept per branch, the tree's value): nodes by value (`_node_values`),
+        as many as maximise (1 + sum of values) / cost(N + 1)."""
+        nodes = self._node_values(branches, sampled, state)
         order = sorted(nodes.items(), key=lambda kv: (-kv[1], len(kv[0]) if kv[0][0] != "model" else kv[0][1]))
         best_n, best_v, total = 0, self.cost.value(0.0, 0), 0.0
         for n, (_, v) in enumerate(order[: self.budget], start=1):
@@ -271,11 +274,46 @@ class TreeHybrid(_Proposers):
         keep = []
         for br in branches:
             k = 0
-            while k < len(br.tokens) and (("model", k) if sampled and br.source == "model"
-                                          else tuple(br.tokens[: k + 1])) in chosen:
+            while k < len(br.tokens) and _node_key(br, k, sampled) in chosen:
                 k += 1
             keep.append(k)
         return keep, best_v
+
+    def _node_values(self, branches: List[Branch], sampled: bool, state=None) -> dict:
+        """{node key: its chance of being accepted}: the product of calibrated slot
+        probabilities to it (the largest over the branches through it), then made
+        consistent across siblings. The target accepts one child of a node at most, so
+        its children's chances cannot sum past the node's own: calibrated one proposer
+        at a time, two disagreeing proposals at 0.8 each would otherwise be worth 1.6
+        tokens where at most one can hold. Siblings are served in order of their own
+        chance (the surest keeps it), each given at most what the ones before left,
+        and a node's cut scales everything below it. Nodes are keyed by their path, so
+        shared prefixes count once -- except the learned drafter's when sampling, whose
+        tokens must not decide what is kept (its nodes are siblings of all others)."""
+        raw, parent = {}, {}
+        for br in branches:
+            run = 1.0
+            for k, p in enumerate(self.slot_probs(br, state)[: len(br.tokens)]):
+                run *= p
+                key = _node_key(br, k, sampled)
+                raw[key] = max(raw.get(key, 0.0), run)
+                parent[key] = _node_key(br, k - 1, sampled) if k else ()
+        if not self.exclusive:
+            return raw
+        children: dict = {}
+        for key in raw:  # insertion order: deterministic among equal chances
+            children.setdefault(parent[key], []).append(key)
+        value, scale, todo = {(): 1.0}, {(): 1.0}, [()]
+        while todo:
+            node = todo.pop()
+            left = value[node]
+            for key in sorted(children.get(node, ()), key=lambda c: -raw[c]):
+                value[key] = max(0.0, min(raw[key] * scale[node], left))
+                scale[key] = value[key] / raw[key] if raw[key] else 0.0
+                left -= value[key]
+                todo.append(key)
+        del value[()]
+        return value
 
     def tree_verified(self, state, branches: List[Branch], emit: List[int]) -> tuple:
         """After verification: the sequence learns the accepted tokens; the record gets
@@ -292,3 +330,9 @@ class TreeHybrid(_Proposers):
         info = [{"source": b.source, "n": len(b.tokens), "matched": m, "feats": [round(x, 4) for x in b.feats]}
                 for b, m in zip(branches, matched)]
         return state, {"source": source, "branches": info, **self._online_info(state)}
+
+
+def _node_key(br: Branch, k: int, sampled: bool) -> tuple:
+    """Slot k of branch `br` as a tree node: its path of tokens, or (sampling) the
+    learned drafter's slot, whose token must not decide what is kept."""
+    return ("model", k) if sampled and br.source == "model" else tuple(br.tokens[: k + 1])

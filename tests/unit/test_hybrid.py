@@ -95,10 +95,11 @@ def test_hybrids_are_lossless_with_prompt_lookup(target, model, kind):
         assert all(r["verified"] <= 16 and r["branches"] is not None for r in rounds)
         # A random drafter is never sure of itself: with the default (identity) map its
         # nodes are not worth their cost; rated high (and the rating kept, whatever
-        # this request shows of it), both branches are verified.
+        # this request shows of it) and verification priced flat (a disagreeing sibling
+        # keeps only what the surer one leaves), both branches are verified.
         assert not any(b["source"] == "model" for r in rounds for b in r["branches"])
         rated = Calibration({"model": BinnedMap((0.0,), [0.9, 0.9], [0, 0])})
-        tree = TreeHybrid(model, _lookup(REPEAT), rated, online_prior=None)
+        tree = TreeHybrid(model, _lookup(REPEAT), rated, CostCurve((1,), (1.0,)), online_prior=None)
         out, rounds = speculative_generate(target, tree, REPEAT, 30)
         assert out == ref and any(len(r["branches"]) == 2 for r in rounds)
 
@@ -254,13 +255,17 @@ def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     # A random drafter is never right: the fit says so, and the tree then leaves it out.
     m = cal["maps"]["model"]
     assert max(p for p, n in zip(m["p"], m["n"]) if n) < 0.2 and "model" not in tree["branches"]
-    # Tree rounds record their branches; the learned drafter's branch of a round without
-    # a token proposal counts twice, once as its own source.
+    # Tree rounds record their branches; the learned drafter's branch counts twice, once
+    # as the source of rounds like its own (no token proposal, or how strong the best was).
     rounds = [r["branches"] for per_t in raw.values() for results, _ in per_t.values()
               for res in results for r in res["rounds"] if r.get("branches")]
     alone = sum(all(b["source"] == "model" for b in bs) for bs in rounds)
+    with_model = sum(any(b["source"] == "model" for b in bs) for bs in rounds)
     recs = branch_records(raw)
-    assert len(recs) == sum(map(len, rounds)) + alone and sum(b["source"] == "model_alone" for b in recs) == alone
+    assert len(recs) == sum(map(len, rounds)) + with_model and sum(b["source"] == "model_alone" for b in recs) == alone
+    assert sum(b["source"].startswith("model_beside_") for b in recs) == with_model - alone
+    # The calibration's own replay (the drafter in every round) fitted it beside lookup.
+    assert any(s.startswith("model_beside_") for s in cal["fitted_on"]["slots"])
     # The cost curve was measured on this target, one point per size, never decreasing,
     # and the hybrids price verification by it.
     cost = cal["cost"]
@@ -381,7 +386,7 @@ def test_without_a_proposal_the_drafter_is_judged_by_rounds_without_one(model):
     cal = fit([b for r in [beside] * 12 + [alone] * 12 for b in round_branches(r)])
     assert cal.typical_probs(MODEL_ALONE, 4)[0] < 0.25 < 0.5 < cal.typical_probs("model", 4)[0]
     hybrid = TreeHybrid(model, _lookup([1, 2, 3]), cal)
-    assert not hybrid.model_worth_running(None) and hybrid.model_value() > hybrid.model_value(alone=True)
+    assert not hybrid.model_worth_running(None) and hybrid.model_value() > hybrid.model_value(context=MODEL_ALONE)
     pooled = fit([b for r in [beside] * 12 + [alone] * 12 for b in r])  # no split: as before
     assert not pooled.fitted(MODEL_ALONE) and TreeHybrid(model, _lookup([1, 2, 3]), pooled).model_worth_running(None)
     choose = ChooseHybrid(model, _lookup([1, 2, 3]), cal)
@@ -436,3 +441,58 @@ def test_the_choice_learns_from_its_verified_model_block(model):
     _, _, state = hybrid.draft(state, feats, 11, 4, 0.0)  # anchor moved by 1: none accepted
     online = state["online"]
     assert online["hits"] == 0 and online["expected"] > 0 and hybrid.model_factor(state) < 1.0
+
+
+def test_the_drafter_is_judged_by_rounds_whose_token_proposals_are_as_strong(model):
+    """Fitted where the learned drafter fails beside a weak copy (text copying cannot
+    find) and holds beside a strong one (text it need not draft): beside a weak
+    proposal its typical block is the failing one, so it is not run there, where rated
+    on every round it would have been; beside a strong one the copy wins anyway."""
+    from dlite.decoding.calibrate import round_branches
+    from dlite.decoding.calibration import MODEL_BESIDE, model_context, token_strength
+    weak = [{"source": "lookup", "feats": [1.0] * 4, "matched": 0},
+            {"source": "model", "feats": [0.95] * 4, "matched": 0}]
+    strong = [{"source": "lookup", "feats": [6.0] * 4, "matched": 4},
+              {"source": "model", "feats": [0.95] * 4, "matched": 4}]
+    first = fit([b for r in [weak] * 12 + [strong] * 12 for b in r])
+    assert token_strength(first, weak) < 1.0 and token_strength(first, strong) >= 2.5
+    assert token_strength(first, weak[1:]) is None and model_context(None) == "model_alone"
+    assert [b["source"] for b in round_branches(weak, first)] == ["lookup", "model", MODEL_BESIDE[0]]
+    assert round_branches(strong, first)[-1]["source"] == MODEL_BESIDE[2]
+    cal = fit([b for r in [weak] * 12 + [strong] * 12 for b in round_branches(r, first)])
+    assert cal.typical_probs(MODEL_BESIDE[0], 4)[0] < 0.25 < 0.5 < cal.typical_probs(MODEL_BESIDE[2], 4)[0]
+    hybrid = ChooseHybrid(model, _lookup(REPEAT), cal)
+    copy = Branch([5, 6, 7, 8], None, "lookup", [1.0] * 4)
+    value = hybrid.cost.best_prefix(hybrid.slot_probs(copy))[1]
+    assert hybrid.model_worth_running(value)  # judged on every round: it runs
+    assert not hybrid.model_worth_running(value, branches=[copy])  # beside a weak copy: it does not
+    # Without the second pass (a calibration of the old layout) every round judges it alike.
+    old = fit([b for r in [weak] * 12 + [strong] * 12 for b in r])
+    assert ChooseHybrid(model, _lookup(REPEAT), old).model_worth_running(value, branches=[copy])
+
+
+def test_siblings_share_their_parents_chance(model):
+    """Two proposals that disagree at a slot cannot both hold: their nodes' chances are
+    cut to sum to the parent's (the surer keeps its own, the other gets what is left,
+    and its subtree is scaled alike), so the tree no longer pays for a second branch as
+    if both could be accepted. Off (the calibration's unpruned trees): the raw chances."""
+    cal = Calibration({"lookup": BinnedMap((2,), [0.85, 0.85], [0, 0]),
+                       "suffix": BinnedMap((0.5,), [0.7, 0.7], [0, 0])})
+    copy = Branch([5, 6], None, "lookup", [3.0, 3.0])
+    other = Branch([9, 4], None, "suffix", [0.9, 0.9])
+    same = Branch([5, 7], None, "suffix", [0.9, 0.9])
+    tree = TreeHybrid(model, _lookup(REPEAT), cal, CostCurve((1,), (1.0,)))
+    v = tree._node_values([copy, other, same], False)
+    assert v[(5,)] == pytest.approx(0.85) and v[(5, 6)] == pytest.approx(0.85 ** 2)
+    assert v[(9,)] == pytest.approx(0.15) and v[(9, 4)] == pytest.approx(0.15 * 0.7)
+    assert v[(5, 7)] == pytest.approx(0.85 - 0.85 ** 2)  # beside its sibling, what 5 -> 6 left
+    assert sum(v[k] for k in [(5,), (9,)]) <= 1.0 + 1e-9
+    raw = TreeHybrid(model, _lookup(REPEAT), cal, CostCurve((1,), (1.0,)),
+                     exclusive=False)._node_values([copy, other, same], False)
+    assert raw[(9,)] == pytest.approx(0.7) and raw[(5, 7)] == pytest.approx(0.7 * 0.7)
+    # Priced by the CPU curve, the disagreeing branch is no longer worth verifying.
+    priced = TreeHybrid(model, _lookup(REPEAT), cal)
+    keep, _ = priced._allocate([copy, other], False)
+    assert keep == [2, 0]
+    loose = TreeHybrid(model, _lookup(REPEAT), cal, exclusive=False)
+    assert loose._allocate([copy, other], False)[0] == [2, 2]
