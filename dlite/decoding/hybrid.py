@@ -285,11 +285,13 @@ class TreeHybrid(_Proposers):
         consistent across siblings. The target accepts one child of a node at most, so
         its children's chances cannot sum past the node's own: calibrated one proposer
         at a time, two disagreeing proposals at 0.8 each would otherwise be worth 1.6
-        tokens where at most one can hold. Siblings are served in order of their own
-        chance (the surest keeps it), each given at most what the ones before left,
-        and a node's cut scales everything below it. Nodes are keyed by their path, so
-        shared prefixes count once -- except the learned drafter's when sampling, whose
-        tokens must not decide what is kept (its nodes are siblings of all others)."""
+        tokens where at most one can hold. Where they sum past it, they are scaled down
+        in proportion (each keeps its share of the confidence; capping the second at
+        what the first leaves, tried in stop 41, pruned second proposals that were
+        right), and a node's scale carries to everything below it. Nodes are keyed by
+        their path, so shared prefixes count once -- except the learned drafter's when
+        sampling, whose tokens must not decide what is kept (its nodes are siblings of
+        all others)."""
         raw, parent = {}, {}
         for br in branches:
             run = 1.0
@@ -301,16 +303,17 @@ class TreeHybrid(_Proposers):
         if not self.exclusive:
             return raw
         children: dict = {}
-        for key in raw:  # insertion order: deterministic among equal chances
+        for key in raw:
             children.setdefault(parent[key], []).append(key)
         value, scale, todo = {(): 1.0}, {(): 1.0}, [()]
         while todo:
             node = todo.pop()
-            left = value[node]
-            for key in sorted(children.get(node, ()), key=lambda c: -raw[c]):
-                value[key] = max(0.0, min(raw[key] * scale[node], left))
-                scale[key] = value[key] / raw[key] if raw[key] else 0.0
-                left -= value[key]
+            kids = children.get(node, ())
+            total = sum(raw[k] * scale[node] for k in kids)
+            cut = value[node] / total if total > value[node] else 1.0
+            for key in kids:
+                value[key] = raw[key] * scale[node] * cut
+                scale[key] = scale[node] * cut
                 todo.append(key)
         del value[()]
         return value

@@ -472,27 +472,26 @@ def test_the_drafter_is_judged_by_rounds_whose_token_proposals_are_as_strong(mod
 
 
 def test_siblings_share_their_parents_chance(model):
-    """Two proposals that disagree at a slot cannot both hold: their nodes' chances are
-    cut to sum to the parent's (the surer keeps its own, the other gets what is left,
-    and its subtree is scaled alike), so the tree no longer pays for a second branch as
-    if both could be accepted. Off (the calibration's unpruned trees): the raw chances."""
-    cal = Calibration({"lookup": BinnedMap((2,), [0.85, 0.85], [0, 0]),
+    """Two proposals that disagree at a slot cannot both hold: where their nodes'
+    chances sum past the parent's they are scaled down in proportion (and their
+    subtrees alike), so the tree no longer pays for a second branch as if both could
+    be accepted. A lone branch keeps its chances; off (the calibration's unpruned
+    trees): the raw chances."""
+    cal = Calibration({"lookup": BinnedMap((2,), [0.8, 0.8], [0, 0]),
                        "suffix": BinnedMap((0.5,), [0.7, 0.7], [0, 0])})
     copy = Branch([5, 6], None, "lookup", [3.0, 3.0])
     other = Branch([9, 4], None, "suffix", [0.9, 0.9])
     same = Branch([5, 7], None, "suffix", [0.9, 0.9])
-    tree = TreeHybrid(model, _lookup(REPEAT), cal, CostCurve((1,), (1.0,)))
-    v = tree._node_values([copy, other, same], False)
-    assert v[(5,)] == pytest.approx(0.85) and v[(5, 6)] == pytest.approx(0.85 ** 2)
-    assert v[(9,)] == pytest.approx(0.15) and v[(9, 4)] == pytest.approx(0.15 * 0.7)
-    assert v[(5, 7)] == pytest.approx(0.85 - 0.85 ** 2)  # beside its sibling, what 5 -> 6 left
-    assert sum(v[k] for k in [(5,), (9,)]) <= 1.0 + 1e-9
-    raw = TreeHybrid(model, _lookup(REPEAT), cal, CostCurve((1,), (1.0,)),
-                     exclusive=False)._node_values([copy, other, same], False)
-    assert raw[(9,)] == pytest.approx(0.7) and raw[(5, 7)] == pytest.approx(0.7 * 0.7)
-    # Priced by the CPU curve, the disagreeing branch is no longer worth verifying.
-    priced = TreeHybrid(model, _lookup(REPEAT), cal)
-    keep, _ = priced._allocate([copy, other], False)
-    assert keep == [2, 0]
-    loose = TreeHybrid(model, _lookup(REPEAT), cal, exclusive=False)
-    assert loose._allocate([copy, other], False)[0] == [2, 2]
+    flat = CostCurve((1,), (1.0,))
+    v = TreeHybrid(model, _lookup(REPEAT), cal, flat)._node_values([copy, other, same], False)
+    assert v[(5,)] + v[(9,)] == pytest.approx(1.0) and v[(5,)] / v[(9,)] == pytest.approx(0.8 / 0.7)
+    assert v[(5, 6)] + v[(5, 7)] == pytest.approx(v[(5,)]) and v[(5, 6)] / v[(5, 7)] == pytest.approx(0.64 / 0.49)
+    assert v[(9, 4)] == pytest.approx(0.49 / 1.5)  # its parent's cut, nothing of its own
+    raw = TreeHybrid(model, _lookup(REPEAT), cal, flat, exclusive=False)._node_values([copy, other, same], False)
+    assert raw == pytest.approx({(5,): 0.8, (5, 6): 0.64, (9,): 0.7, (9, 4): 0.49, (5, 7): 0.49})
+    alone = TreeHybrid(model, _lookup(REPEAT), cal, flat)._node_values([copy], False)
+    assert alone == pytest.approx({(5,): 0.8, (5, 6): 0.64})
+    # Priced by the CPU curve, the disagreeing branch's last token is no longer worth it.
+    three = [Branch([5, 6, 7], None, "lookup", [3.0] * 3), Branch([9, 4, 2], None, "suffix", [0.9] * 3)]
+    assert TreeHybrid(model, _lookup(REPEAT), cal)._allocate(three, False)[0] == [3, 2]
+    assert TreeHybrid(model, _lookup(REPEAT), cal, exclusive=False)._allocate(three, False)[0] == [3, 3]
