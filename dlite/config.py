@@ -235,7 +235,7 @@ NULLABLE = {"train.precision", "target.attn_implementation"}  # None: the librar
 NON_NEGATIVE = [
     "data.min_chars", "train.weight_decay", "train.grad_clip", "train.eval_every",
     "train.max_failures", "eval.top_k", "cluster.gpus_per_worker", "gate.min_tau",
-    "gate.min_speedup", "gate.tolerance",
+    "gate.min_speedup", "gate.tolerance", "data.regen_lookup",
 ]
 
 

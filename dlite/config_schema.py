@@ -70,6 +70,9 @@ class DataConfig:
     regen_top_p: float = 1.0
     regen_samples: int = 1  # answers per conversation (> 1 needs regen_temperature > 0)
     regen_batch_size: int = 8  # conversations decoded together by one regeneration actor
+    # Greedy only: tokens drafted per decode step by prompt lookup over the conversation
+    # so far and verified in the same forward (same tokens, fewer steps); 0: off.
+    regen_lookup: int = 0
     skip_other_files: bool = False  # in an input directory: skip non-trajectory files (else quarantined)
     keep_reasoning: bool = False  # keep thinking/reasoning items as assistant reasoning_content
     records_per_shard: int = 64  # record i goes to shard i // records_per_shard (resume)

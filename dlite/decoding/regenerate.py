@@ -14,6 +14,11 @@ results as recorded) at a fraction of its cost.
            room for the turn (mask + per-row positions), in lockstep; a row stops on any
            EOS id of the generation config or at `max_new_tokens` and its slice goes back
            to its own cache; the next conversation takes a finished one's place.
+  lookup   (greedy, `lookup` > 0) each step also feeds every row its prompt-lookup draft
+           over its own conversation so far (SmolLM2 re-quotes files and its own earlier
+           answers), padded to the longest; the drafts equal to the target's argmax are
+           kept, the rest stay in the cache but masked out (a lone row crops them), so a
+           step yields 1 + accepted tokens per row, and the tokens are greedy's.
 Exactness (fp32): a batched step's logits differ from batch-1's in the last bits (~1e-6:
 BLAS sums a 4-row product in another order than a 1-row one), as HF's re-prefill differs
 from a carried cache; greedy tokens were identical in every comparison made
@@ -28,14 +33,18 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from dlite.data import chat
 from dlite.data.formats import Quarantine
 from dlite.decoding.decode import _cache_kwarg, _device, crop_cache, new_cache, target_forward
+from dlite.decoding.lookup import lookup_proposal
+from dlite.decoding.stacked_cache import select, stack, unstack
 from dlite.decoding.verify import sample_token
 
 SHARE_MIN = 32  # shorter common prefixes are not worth a cache copy
+# Prompt lookup's n-gram lengths (max, min) when drafting: a 1-token match proposes
+# mostly wrong blocks, and every row of a step pays for the longest block in it.
+LOOKUP_NGRAM = (4, 2)
 
 
 @dataclass
@@ -58,76 +67,14 @@ def _common_prefix(a: List[int], b: List[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-class _Reserved(DynamicLayer):
-    """Keys/values of one layer of a batched decode, with room for more positions: each
-    step writes its column in place, where DynamicLayer concatenates (copies) the whole
-    cache (SmolLM2, 4 rows at 1.2K: ~220 MB a step, a quarter of its time)."""
-
-    @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, extra: int) -> "_Reserved":
-        layer, (b, h, n, d) = cls(), keys.shape
-        layer.buf = (keys.new_empty(b, h, n + extra, d), values.new_empty(b, h, n + extra, d))
-        layer.buf[0][:, :, :n], layer.buf[1][:, :, :n] = keys, values
-        layer.keys, layer.values = layer.buf[0][:, :, :n], layer.buf[1][:, :, :n]
-        layer.is_initialized, layer.device = True, keys.device
-        return layer
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n, m = self.keys.shape[-2], key_states.shape[-2]
-        if n + m > self.buf[0].shape[-2]:  # out of room: grow as DynamicLayer does
-            self.buf = super().update(key_states, value_states, *args, **kwargs)
-            return self.buf
-        self.buf[0][:, :, n:n + m], self.buf[1][:, :, n:n + m] = key_states, value_states
-        self.keys, self.values = self.buf[0][:, :, :n + m], self.buf[1][:, :, :n + m]
-        return self.keys, self.values
-
-
-def _stack(caches: list, lens: List[int], extra: int):
-    """One batched cache, each row's keys/values right-aligned (left padding), with room
-    for `extra` decode steps, + its attention mask."""
-    from transformers import DynamicCache
-    width = max(lens)
-    out = DynamicCache()
-    for j in range(len(caches[0].layers)):
-        ks, vs = [], []
-        for c, n in zip(caches, lens):
-            pad = (0, 0, width - n, 0)  # the sequence axis is -2
-            ks.append(torch.nn.functional.pad(c.layers[j].keys, pad))
-            vs.append(torch.nn.functional.pad(c.layers[j].values, pad))
-        out.layers.append(_Reserved.holding(torch.cat(ks), torch.cat(vs), extra))
-    mask = torch.zeros(len(lens), width, dtype=torch.long)
-    for i, n in enumerate(lens):
-        mask[i, width - n:] = 1
-    return out, mask
-
-
-def _select(cache, keep: List[int]) -> None:
-    """Keep batch rows `keep` of a stacked cache (a copy of those rows, room included)."""
-    idx = torch.tensor(keep, device=cache.layers[0].keys.device)
-    for layer in cache.layers:
-        n = layer.keys.shape[-2]
-        layer.buf = (layer.buf[0][idx], layer.buf[1][idx])
-        layer.keys, layer.values = layer.buf[0][:, :, :n], layer.buf[1][:, :, :n]
-
-
-def _unstack(cache, i: int, start: int, stop: int):
-    """Row i's columns [start, stop) of a (batched) cache, as a batch-1 cache of its own
-    (a copy: DynamicCache never writes in place, but the source may be cropped later)."""
-    from transformers import DynamicCache
-    out = DynamicCache()
-    for j, layer in enumerate(cache.layers):
-        out.update(layer.keys[i:i + 1, :, start:stop].clone(),
-                   layer.values[i:i + 1, :, start:stop].clone(), j)
-    return out
-
-
 class BatchedRegenerator:
     """Regenerates many conversations at once (see the module docstring). Greedy at
     temperature 0; else nucleus sampling with one seeded generator per (record, sample),
     so a row's tokens do not depend on which rows share its batch."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.0,
-                 top_p: float = 1.0, samples: int = 1, batch_size: int = 8, seed: int = 0):
+                 top_p: float = 1.0, samples: int = 1, batch_size: int = 8, seed: int = 0,
+                 lookup: int = 0):
         from dlite.target import eos_ids
         if any(layer.is_sliding for layer in new_cache(model).layers):
             # Stacked and split caches are plain full-attention layers.
@@ -135,11 +82,12 @@ class BatchedRegenerator:
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.samples, self.batch_size, self.seed = samples, batch_size, seed
+        self.lookup = max(0, int(lookup))  # draft tokens per step from prompt lookup (greedy)
         self.eos = set(eos_ids(model, tokenizer))
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.stats = dict(records=0, turns=0, tokens_generated=0, prefill_tokens=0,
                           prefill_s=0.0, decode_s=0.0, decode_steps=0, prefix_misses=0,
-                          shared_prefix_tokens=0)
+                          shared_prefix_tokens=0, drafted=0, accepted=0)
         self._shared = None  # (ids, batch-1 cache): the prompt prefix new rows start from
 
     # ------------------------------------------------------------ public
@@ -248,7 +196,7 @@ class BatchedRegenerator:
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += len(prompt) - keep
         if self._shared is None:
-            self._shared = (list(prompt), _unstack(row.cache, 0, 0, len(prompt)))
+            self._shared = (list(prompt), unstack(row.cache, 0, slice(0, len(prompt))))
         row.ids = list(prompt)
 
     def _start(self, prompt: List[int]):
@@ -261,9 +209,9 @@ class BatchedRegenerator:
             c = _common_prefix(ids, prompt[:-1])
             if c >= SHARE_MIN:
                 if c < len(ids):
-                    self._shared = (ids[:c], _unstack(cache, 0, 0, c))
+                    self._shared = (ids[:c], unstack(cache, 0, slice(0, c)))
                 self.stats["shared_prefix_tokens"] += c
-                return _unstack(cache, 0, 0, c), c
+                return unstack(cache, 0, slice(0, c)), c
         return new_cache(self.model), 0
 
     def _pick(self, logits: torch.Tensor, row: _Row) -> int:
@@ -274,16 +222,19 @@ class BatchedRegenerator:
     @torch.inference_mode()
     def _turn(self, rows: List[_Row]) -> None:
         """Decode one assistant turn for every row, stacked; a row that stops leaves the
-        batch at once (its slice split back), so the others' steps stop paying for it."""
+        batch at once (its valid columns split back), so the others' steps stop paying
+        for it. Each step feeds every row its last token plus its lookup draft (none when
+        `lookup` is 0 or sampling), padded to the longest: greedy verification keeps the
+        drafts that equal the target's own argmax, so the tokens are plain greedy's."""
         lens = [len(r.ids) for r in rows]
         budget = [min(self.max_new_tokens, self.max_positions - n) for n in lens]
         outs = [[self._pick(r.logits, r)] for r in rows]
         t0 = time.perf_counter()
-        if len(rows) == 1:
-            cache, mask, width = rows[0].cache, None, lens[0]
+        if len(rows) == 1:  # its own cache: rejected drafts are cropped, not masked
+            cache, mask = rows[0].cache, None
         else:
-            cache, mask = _stack([r.cache for r in rows], lens, max(budget))
-            width, mask = mask.shape[1], mask.to(_device(self.model))
+            cache, mask = stack([r.cache for r in rows], lens, max(budget) + self.lookup + 1)
+            mask = mask.to(_device(self.model))
             for r in rows:  # the stacked copy is the only one until the turn is split back
                 r.cache = None
         active, steps = list(range(len(rows))), 0  # batch row b decodes rows[active[b]]
@@ -291,38 +242,74 @@ class BatchedRegenerator:
             stopped = [b for b, i in enumerate(active) if outs[i][-1] in self.eos or len(outs[i]) >= budget[i]]
             for b in stopped:
                 i = active[b]
-                self._answer(rows[i], outs[i], cache, b, width - lens[i], width + len(outs[i]) - 1)
+                fed = lens[i] + len(outs[i]) - 1  # prompt + answer bar its last token
+                if mask is None and cache.get_seq_length() > fed:  # it stopped inside its drafts
+                    crop_cache(cache, fed)
+                cols = slice(0, fed) if mask is None else mask[b].nonzero().flatten()[:fed]
+                self._answer(rows[i], outs[i], cache, b, cols)
             active = [i for b, i in enumerate(active) if b not in stopped]
             if not active:
                 break
             if stopped:
                 keep = [b for b in range(len(active) + len(stopped)) if b not in stopped]
-                _select(cache, keep)
+                select(cache, keep)
                 mask = mask[keep]
-            logits = self._step(cache, mask, [outs[i][-1] for i in active], [lens[i] + steps for i in active])
+            drafts = [self._draft(rows[i], outs[i], budget[i]) for i in active]
+            n = 1 + max(map(len, drafts))
+            blocks = [[outs[i][-1], *d] + [0] * (n - 1 - len(d)) for i, d in zip(active, drafts)]
+            logits = self._step(cache, mask, blocks, [lens[i] + len(outs[i]) - 1 for i in active])
             steps += 1
-            mask = None if mask is None else torch.nn.functional.pad(mask, (0, 1), value=1)
-            for b, i in enumerate(active):
-                outs[i].append(self._pick(logits[b], rows[i]))
+            kept = [self._accept(rows[i], outs[i], d, logits[b], budget[i])
+                    for b, (i, d) in enumerate(zip(active, drafts))]
+            if mask is not None:  # a row's fed token and its accepted drafts stay visible
+                new = torch.arange(n, device=mask.device)[None, :] < torch.tensor(kept, device=mask.device)[:, None]
+                mask = torch.cat([mask, new.long()], dim=1)
+            elif kept[0] < n:
+                crop_cache(cache, cache.get_seq_length() - (n - kept[0]))
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["decode_steps"] += steps
 
-    def _step(self, cache, mask, last: List[int], pos: List[int]) -> torch.Tensor:
-        """One decode step of every row: logits [B, V]."""
-        dev = _device(self.model)
+    def _draft(self, row: _Row, out: List[int], budget: int) -> List[int]:
+        """The row's prompt-lookup draft after `out` (greedy only; never past its budget)."""
+        room = min(self.lookup, budget - len(out))
+        if room <= 0 or self.temperature > 0:
+            return []
+        seq = torch.tensor(row.ids + out)
+        draft, _ = lookup_proposal(seq, room, *LOOKUP_NGRAM)
+        self.stats["drafted"] += len(draft)
+        return draft
+
+    def _accept(self, row: _Row, out: List[int], draft: List[int], logits: torch.Tensor, budget: int) -> int:
+        """Extend `out` by the accepted drafts and the target's next token, stopping at an
+        EOS or the budget; returns how many of the block's columns stay (1 + accepted)."""
+        a = 0
+        if draft:
+            target = logits[:len(draft)].argmax(-1).tolist()
+            while a < len(draft) and draft[a] == target[a]:
+                a += 1
+            self.stats["accepted"] += a
+        for tok in draft[:a] + [self._pick(logits[a], row)]:
+            out.append(tok)
+            if tok in self.eos or len(out) >= budget:
+                break
+        return 1 + a
+
+    def _step(self, cache, mask, blocks: List[List[int]], start: List[int]) -> torch.Tensor:
+        """One forward of every row's block at its own positions: logits [B, n, V]."""
+        dev, n = _device(self.model), len(blocks[0])
         kw = {_cache_kwarg(type(self.model)): cache}
         if mask is not None:
-            kw["attention_mask"] = torch.nn.functional.pad(mask, (0, 1), value=1)
-        out = self.model(input_ids=torch.tensor(last, device=dev)[:, None],
-                         position_ids=torch.tensor(pos, device=dev)[:, None], use_cache=True,
-                         logits_to_keep=1, **kw)
-        return out.logits[:, -1]
+            kw["attention_mask"] = torch.nn.functional.pad(mask, (0, n), value=1)
+        pos = torch.tensor(start, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
+        out = self.model(input_ids=torch.tensor(blocks, device=dev), position_ids=pos, use_cache=True,
+                         logits_to_keep=n, **kw)
+        return out.logits
 
-    def _answer(self, row: _Row, toks: List[int], cache, i: int, start: int, stop: int) -> None:
+    def _answer(self, row: _Row, toks: List[int], cache, i: int, cols) -> None:
         """Row i's turn: the answer appended (its text without the stopping EOS), the
-        cache slice of prompt + answer (bar the last token, never fed) kept as the row's."""
+        cache columns of prompt + answer (bar the last token, never fed) kept as the row's."""
         if row.cache is not cache:
-            row.cache = _unstack(cache, i, start, stop)
+            row.cache = unstack(cache, i, cols)
         row.ids = row.ids + toks[:-1]
         row.turns += 1
         row.tokens.append(toks)

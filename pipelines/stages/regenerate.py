@@ -34,7 +34,7 @@ from pipelines.stages.collect import (CollectError, _check_target, _duplicates, 
 
 KIND, SCHEMA, CONVERSATIONS = "regenerated", 1, "conversations"
 _TIMINGS = ("turns", "tokens_generated", "prefill_tokens", "prefill_s", "decode_s",
-            "decode_steps", "prefix_misses", "shared_prefix_tokens")
+            "decode_steps", "prefix_misses", "shared_prefix_tokens", "drafted", "accepted")
 
 
 def conversations_file(shard: int) -> str:
@@ -50,6 +50,7 @@ class RegenSettings:
     top_p: float = 1.0
     samples: int = 1
     batch_size: int = 8
+    lookup: int = 0  # prompt-lookup draft tokens per step (greedy; the same tokens, faster)
     records_per_shard: int = 64
     num_actors: int = 1
     gpus_per_actor: float = 0
@@ -59,6 +60,7 @@ class RegenSettings:
         d = cfg.data
         return cls(max_new_tokens=d.regen_max_new_tokens, temperature=d.regen_temperature,
                    top_p=d.regen_top_p, samples=d.regen_samples, batch_size=d.regen_batch_size,
+                   lookup=d.regen_lookup,
                    records_per_shard=d.records_per_shard, num_actors=cfg.cluster.num_workers,
                    gpus_per_actor=cfg.cluster.gpus_per_worker)
 
@@ -79,7 +81,7 @@ class _RegenWorker:
         model, tok = target.load(cfg.target)  # the experiment's dtype, as collection reads it
         model.to("cuda" if st.gpus_per_actor > 0 and torch.cuda.is_available() else "cpu")
         self.regen = BatchedRegenerator(model, tok, st.max_new_tokens, st.temperature, st.top_p,
-                                        st.samples, st.batch_size, cfg.run.seed)
+                                        st.samples, st.batch_size, cfg.run.seed, st.lookup)
         self.plan_id, self.store = plan_id, Store(output)
 
     def __call__(self, batch):
@@ -118,8 +120,9 @@ def _run(cfg, st: RegenSettings, todo: list, dups: list, plan_id: str, output: s
         print(f"[regenerate] shard {json.loads(row['summary'])} ({n}/{len(todo)})", flush=True)
 
 
-def _manifest(plan: dict, plan_id: str, fingerprint: dict, sides: list, seconds: float) -> dict:
-    counts = {k: sum(s[k] for s in sides) for k in ("read", "written", "quarantined", "rows", *_TIMINGS)}
+def _manifest(plan: dict, plan_id: str, fingerprint: dict, sides: list, seconds: float, lookup: int = 0) -> dict:
+    # .get: a shard finished before a counter existed (drafted / accepted) counts 0 there
+    counts = {k: sum(s.get(k, 0) for s in sides) for k in ("read", "written", "quarantined", "rows", *_TIMINGS)}
     counts["by_reason"] = dict(sum((Counter(s["by_reason"]) for s in sides), Counter()))
     rate = lambda n, s: round(n / s, 1) if s > 0 else None  # noqa: E731
     return {"kind": KIND, "schema_version": SCHEMA, "plan_id": plan_id,
@@ -128,6 +131,9 @@ def _manifest(plan: dict, plan_id: str, fingerprint: dict, sides: list, seconds:
             "counts": counts,
             "prefill_tokens_per_s": rate(counts["prefill_tokens"], counts["prefill_s"]),
             "decode_tokens_per_s": rate(counts["tokens_generated"], counts["decode_s"]),
+            # speed only: verified lookup drafts (greedy) leave the tokens as they are
+            "lookup": {"draft_tokens": lookup,
+                       "acceptance": round(counts["accepted"] / counts["drafted"], 3) if counts["drafted"] else None},
             "files": [{"path": s["file"], "sha256": s["sha256"], "bytes": s["bytes"], "rows": s["rows"]}
                       for s in sides],
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(seconds, 1)}
@@ -160,7 +166,7 @@ def regenerate(cfg, input_path: str, output: str, settings: RegenSettings = None
     store.remove_tmp(CONVERSATIONS)
     sides = run_missing_shards(cfg, store, specs, plan_id, "regenerate", lambda todo: _run(
         cfg, st, todo, _duplicates(specs), plan_id, output))
-    manifest = _manifest(plan, plan_id, fp, sides, time.time() - t0)
+    manifest = _manifest(plan, plan_id, fp, sides, time.time() - t0, st.lookup if st.temperature <= 0 else 0)
     shards.write_manifest(store, manifest)
     return manifest
 

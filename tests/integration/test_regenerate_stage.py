@@ -46,6 +46,7 @@ def mixed(tmp_path_factory):
 def cfg():
     return load_config("configs/experiments/tiny.yaml", [
         "data.regen_max_new_tokens=8", "data.regen_batch_size=3", "data.records_per_shard=3",
+        "data.regen_lookup=3",  # verified lookup drafts in the actors: the same answers as without
         "cluster.num_workers=1", "data.max_seq_len=1024", "data.anchors_per_seq=4"])
 
 
@@ -65,11 +66,12 @@ def test_stage_writes_manifest_quarantine_and_resumes(regenerated, mixed, cfg):
     # Each trajectory: its 2 turns replaced + 1 after the tool results it ends with; 1 for the prompt.
     assert c["turns"] == 3 * 3 + 1 and 0 < c["tokens_generated"] <= 10 * 8
     assert m["prefill_tokens_per_s"] > 0 and m["decode_tokens_per_s"] > 0
+    assert m["lookup"]["draft_tokens"] == 3 and c["accepted"] <= c["drafted"]
     q = [json.loads(x) for x in (out / "quarantine.jsonl").read_text().splitlines()]
     assert {(e["where"], e["reason"]) for e in q} == {("in.jsonl:2", "bad_json"), ("in.jsonl:5", "too_long")}
     rows = [json.loads(x) for f in m["files"] for x in (out / f["path"]).read_text().splitlines()]
     assert [r["id"] for r in rows] == ["train-000000", "ask", "train-000001", "train-000002"]
-    # The stage's answers are the library's (same target, same greedy decoding).
+    # The stage's answers are the library's (same target, same greedy decoding, no lookup).
     model, tok = tiny.load_target(), tiny.load_tokenizer()
     rec = formats.normalise(formats.to_canonical(json.loads(mixed.read_text().splitlines()[3]), "x"))
     (direct,), _ = BatchedRegenerator(model, tok, 8).regenerate_many([rec])

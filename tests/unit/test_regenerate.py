@@ -78,6 +78,23 @@ def test_greedy_equals_batch1_plain_decoding_and_hf_regenerator(target, records)
     assert s["shared_prefix_tokens"] > 0  # one system prompt + tools, prefilled once
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_lookup_drafts_change_the_steps_not_the_tokens(target, records, batch_size):
+    """Verified prompt-lookup drafts (`lookup`): the same greedy tokens as without them,
+    batched (rejected drafts masked) or alone (cropped), in fewer decode steps; the next
+    turn's cache still extends the last (no prefix miss), so only new text is prefilled."""
+    model, tok = target
+    plain = BatchedRegenerator(model, tok, NEW, batch_size=batch_size)
+    fast = BatchedRegenerator(model, tok, NEW, batch_size=batch_size, lookup=5)
+    ref, got = plain.regenerate_many(records)[0], fast.regenerate_many(records)[0]
+    assert [d["tokens"] for d in got] == [d["tokens"] for d in ref]
+    assert [d["messages"] for d in got] == [d["messages"] for d in ref]
+    s, p = fast.stats, plain.stats
+    assert s["accepted"] > 0 and s["drafted"] > s["accepted"]  # some drafts kept, some rejected
+    assert s["decode_steps"] < p["decode_steps"] and plain.stats["drafted"] == 0
+    assert s["prefill_tokens"] == p["prefill_tokens"] and s["prefix_misses"] == p["prefix_misses"] == 0
+
+
 def test_sampling_is_reproducible_whatever_the_batch(target, records):
     model, tok = target
     runs = [BatchedRegenerator(model, tok, 12, temperature=1.0, top_p=0.9, samples=2, batch_size=b,
@@ -131,7 +148,7 @@ def test_the_dag_runs_regenerate_before_collect_only_when_asked(tmp_path):
     assert "regenerate" not in off and off["collect"].deps == []
     before = dataclasses.replace(dag.BY_NAME["collect"], deps=())
     plain = OmegaConf.create(OmegaConf.to_container(cfg))
-    for k in ("regen_temperature", "regen_top_p", "regen_samples", "regen_batch_size"):
+    for k in ("regen_temperature", "regen_top_p", "regen_samples", "regen_batch_size", "regen_lookup"):
         del plain.data[k]  # the config as it was before these keys
     assert off["collect"].hash == dag._stage_hash(plain, before, {}, dag.target_identity(cfg))
     with pytest.raises(ConfigError, match="data.regen_samples"):
@@ -141,7 +158,8 @@ def test_the_dag_runs_regenerate_before_collect_only_when_asked(tmp_path):
 
 
 @pytest.mark.parametrize("knob,moves", [
-    ("data.regen_batch_size=4", []), ("data.batch_tokens=4096", []), ("data.cache_bytes=1000", []),
+    ("data.regen_batch_size=4", []), ("data.regen_lookup=7", []), ("data.batch_tokens=4096", []),
+    ("data.cache_bytes=1000", []),
     ("data.shuffle_buffer=16", ["teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"]),
     ("data.n_train=3", ["collect", "teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"])])
 def test_how_fast_a_stage_runs_leaves_its_hash(tmp_path, knob, moves):
@@ -154,3 +172,19 @@ def test_how_fast_a_stage_runs_leaves_its_hash(tmp_path, knob, moves):
     base = {s.name: s.hash for s in dag.plan(load_config("configs/experiments/tiny.yaml", out))}
     new = {s.name: s.hash for s in dag.plan(load_config("configs/experiments/tiny.yaml", out + [knob]))}
     assert [k for k in base if base[k] != new[k]] == moves
+
+
+def test_the_regeneration_benchmark_times_lookup_beside_the_batched_and_hf_loops():
+    """`jobs.benchmark regenerate` with `data.regen_lookup`: the lookup variant on the same
+    conversations of the configured corpus, greedy tokens identical to HFRegenerator's
+    for both batched variants, its drafts counted."""
+    from dlite.config import load_config
+    from pipelines.benchmarks.regenerate import run
+    cfg = load_config("configs/experiments/tiny.yaml", ["data.regen_lookup=5", "data.regen_batch_size=2"])
+    rep = run(cfg, n=2, max_new_tokens=16)
+    assert rep["corpus"] == "builtin" and rep["assistant_turns"] == [2, 3]
+    assert rep["identical_tokens"] and rep["lookup_identical_tokens"]
+    fast = rep["batched_lookup"]
+    assert fast["lookup"] == 5 and fast["drafted"] > 0 and fast["tokens_generated"] == rep["hf_regenerator"]["tokens_generated"]
+    assert fast["decode_steps"] < rep["batched_regenerator"]["decode_steps"]
+    assert "batched_lookup" not in run(load_config("configs/experiments/tiny.yaml"), n=1, max_new_tokens=4)
