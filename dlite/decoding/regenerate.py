@@ -257,7 +257,8 @@ class BatchedRegenerator:
             drafts = [self._draft(rows[i], outs[i], budget[i]) for i in active]
             n = 1 + max(map(len, drafts))
             blocks = [[outs[i][-1], *d] + [0] * (n - 1 - len(d)) for i, d in zip(active, drafts)]
-            logits = self._step(cache, mask, blocks, [lens[i] + len(outs[i]) - 1 for i in active])
+            logits = self._step(cache, mask, blocks, [lens[i] + len(outs[i]) - 1 for i in active],
+                                [1 + len(d) for d in drafts])
             steps += 1
             kept = [self._accept(rows[i], outs[i], d, logits[b], budget[i])
                     for b, (i, d) in enumerate(zip(active, drafts))]
@@ -294,13 +295,16 @@ class BatchedRegenerator:
                 break
         return 1 + a
 
-    def _step(self, cache, mask, blocks: List[List[int]], start: List[int]) -> torch.Tensor:
-        """One forward of every row's block at its own positions: logits [B, n, V]."""
+    def _step(self, cache, mask, blocks: List[List[int]], start: List[int], real: List[int]) -> torch.Tensor:
+        """One forward of every row's block at its own positions: logits [B, n, V]. A
+        row's padding sits at its last real position (never past the target's limit);
+        its real tokens never see it (it comes after them) and it is masked out after."""
         dev, n = _device(self.model), len(blocks[0])
         kw = {_cache_kwarg(type(self.model)): cache}
         if mask is not None:
             kw["attention_mask"] = torch.nn.functional.pad(mask, (0, n), value=1)
-        pos = torch.tensor(start, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
+        step = torch.arange(n, device=dev)[None, :].minimum(torch.tensor(real, device=dev)[:, None] - 1)
+        pos = torch.tensor(start, device=dev)[:, None] + step
         out = self.model(input_ids=torch.tensor(blocks, device=dev), position_ids=pos, use_cache=True,
                          logits_to_keep=n, **kw)
         return out.logits
