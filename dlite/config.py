@@ -383,6 +383,8 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
              f"{d.min_chars} > data.max_chars={d.max_chars}")
     _require(d.regen_temperature >= 0, "data.regen_temperature", f"must be >= 0, got {d.regen_temperature}")
     _require(0 < d.regen_top_p <= 1, "data.regen_top_p", f"not in (0, 1]: {d.regen_top_p}")
+    _require(d.regen_history in ("generated", "recorded"), "data.regen_history",
+             f"must be 'generated' or 'recorded', got {d.regen_history!r}")
     _require(d.regen_samples == 1 or d.regen_temperature > 0, "data.regen_samples",
              f"{d.regen_samples} samples at data.regen_temperature=0 would be identical copies")
     _check_extra_prompts(d)

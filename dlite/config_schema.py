@@ -73,6 +73,9 @@ class DataConfig:
     # Greedy only: tokens drafted per decode step by prompt lookup over the conversation
     # so far and verified in the same forward (same tokens, fewer steps); 0: off.
     regen_lookup: int = 0
+    # Turn k's prompt: the answers "generated" before it (as the peers regenerate) or the
+    # "recorded" ones (each answer the target's reply to the real history).
+    regen_history: str = "generated"
     skip_other_files: bool = False  # in an input directory: skip non-trajectory files (else quarantined)
     keep_reasoning: bool = False  # keep thinking/reasoning items as assistant reasoning_content
     records_per_shard: int = 64  # record i goes to shard i // records_per_shard (resume)

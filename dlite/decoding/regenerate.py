@@ -14,6 +14,9 @@ results as recorded) at a fraction of its cost.
            room for the turn (mask + per-row positions), in lockstep; a row stops on any
            EOS id of the generation config or at `max_new_tokens` and its slice goes back
            to its own cache; the next conversation takes a finished one's place.
+  history  "generated" (default): turn k's prompt holds the answers generated before it;
+           "recorded": the recorded turns instead (its cache is cropped back to where
+           they differ, so each turn re-prefills the last recorded answer + new text).
   lookup   (greedy, `lookup` > 0) each step also feeds every row its prompt-lookup draft
            over its own conversation so far (SmolLM2 re-quotes files and its own earlier
            answers), padded to the longest; the drafts equal to the target's argmax are
@@ -45,6 +48,11 @@ SHARE_MIN = 32  # shorter common prefixes are not worth a cache copy
 # Prompt lookup's n-gram lengths (max, min) when drafting: a 1-token match proposes
 # mostly wrong blocks, and every row of a step pays for the longest block in it.
 LOOKUP_NGRAM = (4, 2)
+# What each turn's prompt holds before the turn: the answers generated so far (as every
+# peer regenerates), or the recorded ones -- a small target's own agent turns degenerate
+# into repeating its last answer (SmolLM2: 77% of regenerated agent turns), so each turn
+# is instead its answer to the real history, as the held-out replay asks it.
+HISTORIES = ("generated", "recorded")
 
 
 @dataclass
@@ -74,7 +82,7 @@ class BatchedRegenerator:
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, samples: int = 1, batch_size: int = 8, seed: int = 0,
-                 lookup: int = 0):
+                 lookup: int = 0, history: str = "generated"):
         from dlite.target import eos_ids
         if any(layer.is_sliding for layer in new_cache(model).layers):
             # Stacked and split caches are plain full-attention layers.
@@ -83,6 +91,9 @@ class BatchedRegenerator:
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.samples, self.batch_size, self.seed = samples, batch_size, seed
         self.lookup = max(0, int(lookup))  # draft tokens per step from prompt lookup (greedy)
+        if history not in HISTORIES:
+            raise ValueError(f"history must be one of {HISTORIES}, got {history!r}")
+        self.history = history
         self.eos = set(eos_ids(model, tokenizer))
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.stats = dict(records=0, turns=0, tokens_generated=0, prefill_tokens=0,
@@ -164,12 +175,14 @@ class BatchedRegenerator:
         while row.at < len(msgs) and msgs[row.at]["role"] != "assistant":
             row.out.append(msgs[row.at])
             row.at += 1
+        upto = row.at  # the recorded history before the turn generated now
         if row.at < len(msgs):
             row.at += 1  # the recorded assistant turn, replaced by the one generated now
         elif row.out and row.out[-1]["role"] == "assistant":
             return self._finish(row)
+        history = row.out if self.history == "generated" else msgs[:upto]
         try:
-            text = chat.render(self.tok, row.out, row.rec.get("tools"), True)
+            text = chat.render(self.tok, history, row.rec.get("tools"), True)
         except Exception as e:  # a template that cannot render this history
             return self._finish(row, Quarantine("template_error", f"turn {row.turns}: {e}"))
         prompt = self.tok(text, add_special_tokens=False)["input_ids"]

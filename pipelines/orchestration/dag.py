@@ -62,7 +62,7 @@ _REGEN_KEYS = ("run.seed", "target", "data.train_path", "data.n_train", "data.mi
                "data.max_chars", "data.skip_other_files", "data.keep_reasoning",
                "data.records_per_shard", "data.regen_max_new_tokens", "data.regen_temperature",
                "data.regen_top_p", "data.regen_samples", "data.corpus", "data.extra_prompts",
-               "data.extra_prompts_limit")
+               "data.extra_prompts_limit", "data.regen_history")
 DEFS = [
     StageDef("regenerate", (), _REGEN_KEYS, switch="data.regenerate", feeds="collect"),
     StageDef("collect", ("regenerate",), ("run.seed", "target", "data", "drafter.target_layer_ids",
@@ -119,8 +119,9 @@ _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size"
                  "train.teacher_ce_weight": 0.1, "train.teacher_tv_weight": 0.9,
                  "train.teacher_loss_decay": 4.0, "train.teacher_ce_labels": "data",
                  "data.corpus": "builtin", "data.extra_prompts": None, "data.extra_prompts_limit": 0,
+                 "data.regen_history": "generated",
                  "data": {"regen_temperature": 0.0, "regen_top_p": 1.0, "regen_samples": 1,
-                          "regen_batch_size": 8, "regen_lookup": 0, "corpus": "builtin", "extra_prompts": None,
+                          "regen_batch_size": 8, "regen_lookup": 0, "regen_history": "generated", "corpus": "builtin", "extra_prompts": None,
                           "extra_prompts_limit": 0},
                  "eval": {"verify_cost_tokens": [1, 2, 4, 8], "verify_cost": [1.0, 1.4, 1.6, 2.2],
                           "tree_budget": 16, "calibration_trajectories": 1,

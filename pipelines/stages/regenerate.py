@@ -51,6 +51,7 @@ class RegenSettings:
     samples: int = 1
     batch_size: int = 8
     lookup: int = 0  # prompt-lookup draft tokens per step (greedy; the same tokens, faster)
+    history: str = "generated"  # what each turn's prompt holds before it (data.regen_history)
     records_per_shard: int = 64
     num_actors: int = 1
     gpus_per_actor: float = 0
@@ -60,7 +61,7 @@ class RegenSettings:
         d = cfg.data
         return cls(max_new_tokens=d.regen_max_new_tokens, temperature=d.regen_temperature,
                    top_p=d.regen_top_p, samples=d.regen_samples, batch_size=d.regen_batch_size,
-                   lookup=d.regen_lookup,
+                   lookup=d.regen_lookup, history=d.regen_history,
                    records_per_shard=d.records_per_shard, num_actors=cfg.cluster.num_workers,
                    gpus_per_actor=cfg.cluster.gpus_per_worker)
 
@@ -81,7 +82,7 @@ class _RegenWorker:
         model, tok = target.load(cfg.target)  # the experiment's dtype, as collection reads it
         model.to("cuda" if st.gpus_per_actor > 0 and torch.cuda.is_available() else "cpu")
         self.regen = BatchedRegenerator(model, tok, st.max_new_tokens, st.temperature, st.top_p,
-                                        st.samples, st.batch_size, cfg.run.seed, st.lookup)
+                                        st.samples, st.batch_size, cfg.run.seed, st.lookup, st.history)
         self.plan_id, self.store = plan_id, Store(output)
 
     def __call__(self, batch):
@@ -127,6 +128,7 @@ def _manifest(plan: dict, plan_id: str, fingerprint: dict, sides: list, seconds:
     rate = lambda n, s: round(n / s, 1) if s > 0 else None  # noqa: E731
     return {"kind": KIND, "schema_version": SCHEMA, "plan_id": plan_id,
             "target_fingerprint": fingerprint, "sampling": plan["sampling"],
+            "history": plan.get("history", "generated"),
             "records_per_shard": plan["records_per_shard"], "input": plan["input"],
             "counts": counts,
             "prefill_tokens_per_s": rate(counts["prefill_tokens"], counts["prefill_s"]),
@@ -157,7 +159,9 @@ def regenerate(cfg, input_path: str, output: str, settings: RegenSettings = None
                                          st.records_per_shard, bool(cfg.data.skip_other_files))
     plan = {"kind": KIND, "schema_version": SCHEMA, "target": fp["id"], "input": identity,
             "sampling": st.sampling(cfg.run.seed), "records_per_shard": st.records_per_shard,
-            "keep_reasoning": bool(cfg.data.keep_reasoning)}
+            "keep_reasoning": bool(cfg.data.keep_reasoning),
+            # only when not the default, so that earlier plans keep their ids
+            **({"history": st.history} if st.history != "generated" else {})}
     plan_id = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
     store = Store(output)
     shards.claim(store, plan)

@@ -95,6 +95,30 @@ def test_lookup_drafts_change_the_steps_not_the_tokens(target, records, batch_si
     assert s["prefill_tokens"] == p["prefill_tokens"] and s["prefix_misses"] == p["prefix_misses"] == 0
 
 
+def test_recorded_history_answers_each_turn_to_the_real_history(target, records):
+    """history="recorded": turn k is the target's greedy answer to the RECORDED
+    conversation before it (as the held-out replay asks), not to its own earlier answers;
+    every assistant turn of the output is still the target's, with lookup drafts too."""
+    model, tok = target
+    eos = eos_ids(model, tok)
+    regen = BatchedRegenerator(model, tok, NEW, batch_size=3, history="recorded", lookup=5)
+    done, bad = regen.regenerate_many(records[:3])
+    assert bad == [] and regen.stats["prefix_misses"] > 0  # the cache cropped to the recorded turn
+    for rec, d in zip(records[:3], done):
+        recorded = [i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant"]
+        if rec["messages"][-1]["role"] != "assistant":
+            recorded.append(len(rec["messages"]))  # the final turn after a tool result
+        assert len(recorded) == d["turns"] >= 2
+        for k, i in enumerate(recorded):
+            prompt = tok(chat.render(tok, rec["messages"][:i], rec["tools"], True),
+                         add_special_tokens=False)["input_ids"]
+            assert d["tokens"][k] == plain_generate(model, prompt, NEW, eos_ids=eos)[0]
+        gen = [m for m in d["messages"] if m["role"] == "assistant"]
+        assert [m["content"] for m in gen] != [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+    with pytest.raises(ValueError, match="history"):
+        BatchedRegenerator(model, tok, 4, history="both")
+
+
 def test_sampling_is_reproducible_whatever_the_batch(target, records):
     model, tok = target
     runs = [BatchedRegenerator(model, tok, 12, temperature=1.0, top_p=0.9, samples=2, batch_size=b,
@@ -148,13 +172,19 @@ def test_the_dag_runs_regenerate_before_collect_only_when_asked(tmp_path):
     assert "regenerate" not in off and off["collect"].deps == []
     before = dataclasses.replace(dag.BY_NAME["collect"], deps=())
     plain = OmegaConf.create(OmegaConf.to_container(cfg))
-    for k in ("regen_temperature", "regen_top_p", "regen_samples", "regen_batch_size", "regen_lookup"):
+    for k in ("regen_temperature", "regen_top_p", "regen_samples", "regen_batch_size", "regen_lookup",
+              "regen_history"):
         del plain.data[k]  # the config as it was before these keys
     assert off["collect"].hash == dag._stage_hash(plain, before, {}, dag.target_identity(cfg))
     with pytest.raises(ConfigError, match="data.regen_samples"):
         load_config("configs/experiments/tiny.yaml", ["data.regen_samples=2"])
     with pytest.raises(ConfigError, match="data.regen_top_p"):
         load_config("configs/experiments/tiny.yaml", ["data.regen_top_p=0"])
+    with pytest.raises(ConfigError, match="data.regen_history"):
+        load_config("configs/experiments/tiny.yaml", ["data.regen_history=mine"])
+    hist = {s.name: s.hash for s in dag.plan(load_config("configs/experiments/tiny.yaml", out + [
+        "data.regenerate=true", "data.regen_history=recorded"]))}
+    assert hist["regenerate"] != on["regenerate"].hash and hist["collect"] != on["collect"].hash
 
 
 @pytest.mark.parametrize("knob,moves", [
