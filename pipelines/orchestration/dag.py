@@ -121,8 +121,8 @@ _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size"
                  "data.corpus": "builtin", "data.extra_prompts": None, "data.extra_prompts_limit": 0,
                  "data.regen_history": "generated",
                  "data": {"regen_temperature": 0.0, "regen_top_p": 1.0, "regen_samples": 1,
-                          "regen_batch_size": 8, "regen_lookup": 0, "regen_history": "generated", "corpus": "builtin", "extra_prompts": None,
-                          "extra_prompts_limit": 0},
+                          "regen_batch_size": 8, "regen_lookup": 0, "regen_history": "generated",
+                          "corpus": "builtin", "extra_prompts": None, "extra_prompts_limit": 0},
                  "eval": {"verify_cost_tokens": [1, 2, 4, 8], "verify_cost": [1.0, 1.4, 1.6, 2.2],
                           "tree_budget": 16, "calibration_trajectories": 1,
                           "calibration_max_turns": None, "concurrency": [], "concurrency_requests": None}}
