@@ -29,7 +29,8 @@ dlite_v1_qwen3_4b`: the published design's) on CPU in bf16 (train step, draft
 round, export round trip), peak RSS and time per phase.
 `regenerate`: today's HFRegenerator against the batched, cache-carrying regenerator on
 the same --conversations (4) built-in trajectories (2-3 assistant turns, 64 new tokens
-per turn): tokens/s of each, their ratio (goal >= 4x), whether the greedy tokens agree.
+per turn; `data.corpus`; `data.regen_lookup=K` adds the lookup-verified variant): tokens/s
+of each, their ratio (goal >= 4x), whether the greedy tokens agree.
 `peers`: a peer's drafter judged by our harness: SpecForge's DFlash (optional extra `peers`)
 trained by SpecForge's own trainer on this config's collection (or --shards), checked round
 by round against SpecForge's own decode loop on 20 held-out prompts, then evaluated beside
@@ -160,8 +161,9 @@ def shape_rehearsal(cfg, args) -> dict:
 
 def regenerate(cfg, args) -> dict:
     # HFRegenerator vs the batched regenerator on the same --conversations (4) built-in
-    # trajectories (2-3 assistant turns, 64 new tokens each), one process: tokens/s, ratio,
-    # identical tokens. Batch size: data.regen_batch_size.
+    # trajectories of data.corpus (2-3 assistant turns, 64 new tokens each), one process:
+    # tokens/s, ratio, identical tokens. Batch size: data.regen_batch_size; with
+    # data.regen_lookup > 0 also the batched one with verified lookup drafts.
     from pipelines.benchmarks.regenerate import run
     return run(cfg, n=args.conversations, max_new_tokens=64, threads=args.threads)
 
