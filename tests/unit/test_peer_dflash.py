@@ -131,7 +131,7 @@ def test_the_peer_row_sits_beside_the_training_free_methods():
     config lists, keeping the config's own baselines and their order."""
     from dlite.config import load_config
     from pipelines.benchmarks.peers import with_training_free
-    cfg = load_config("configs/experiments/smollm2.yaml", [])
+    cfg = load_config("configs/experiments/smollm2.yaml", ["eval.baselines=[]"])
     assert list(cfg.eval.baselines) == [] and list(with_training_free(cfg).eval.baselines) == ["prompt_lookup", "suffix"]
     cfg = load_config("configs/experiments/smollm2.yaml", ["eval.baselines=[suffix]"])
     assert list(with_training_free(cfg).eval.baselines) == ["suffix", "prompt_lookup"]
