@@ -38,6 +38,10 @@ GPU_SIZE=(cluster.num_workers=1 cluster.use_gpu=true cluster.gpus_per_worker=1
           train.steps_teacher=100 train.steps_align=200 train.steps_dspark=200 train.eval_every=50
           eval.n_trajectories=4 eval.max_turns=3 eval.max_new_tokens=64
           eval.speed_trajectories=2 "eval.temperatures=[0.0,1.0]" eval.threads=4)
+# The check was sized (~8 min) on the built-in corpus with recorded text; the main job's
+# regenerated agent sessions would add a regenerate stage and the agent corpus's real
+# subprocesses, so the GPU run keeps the sized data unless a later key=value says otherwise.
+GPU_SIZE+=(data.corpus=builtin data.regenerate=false)
 # CPU: the test suite's smoke size (tests/conftest.py::smoke_pipeline).
 CPU_SIZE=(data.n_train=16 train.batch_size=2 train.steps_teacher=4 train.steps_align=4
           train.steps_dspark=4 train.eval_every=2 eval.n_trajectories=2 eval.max_turns=2
