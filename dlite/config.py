@@ -19,7 +19,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from dlite.config_schema import BASELINES, HYBRIDS, STAGES, DLiteConfig  # noqa: F401  (re-exported)
+from dlite.config_schema import (BASELINES, HYBRIDS, REGEN_HISTORIES, STAGES,  # noqa: F401  (re-exported)
+                                 DLiteConfig)
 from dlite.models.config import prior_root
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -383,8 +384,8 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
              f"{d.min_chars} > data.max_chars={d.max_chars}")
     _require(d.regen_temperature >= 0, "data.regen_temperature", f"must be >= 0, got {d.regen_temperature}")
     _require(0 < d.regen_top_p <= 1, "data.regen_top_p", f"not in (0, 1]: {d.regen_top_p}")
-    _require(d.regen_history in ("generated", "recorded"), "data.regen_history",
-             f"must be 'generated' or 'recorded', got {d.regen_history!r}")
+    _require(d.regen_history in REGEN_HISTORIES, "data.regen_history",
+             f"must be one of {REGEN_HISTORIES}, got {d.regen_history!r}")
     _require(d.regen_samples == 1 or d.regen_temperature > 0, "data.regen_samples",
              f"{d.regen_samples} samples at data.regen_temperature=0 would be identical copies")
     _check_extra_prompts(d)

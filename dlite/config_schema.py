@@ -14,6 +14,12 @@ TRAIN_STAGES = ("teacher", "align", "dspark")
 # primary drafter with one of them (eval.hybrids: name -> the method it pairs with;
 # the name's end is the rule: none -- the match-length rule, _choose, _tree).
 BASELINES = ("prompt_lookup", "suffix")
+# data.regen_history: what each turn's prompt holds before the turn -- the answers
+# generated so far (as every peer regenerates), or the recorded ones: a small target's
+# own agent turns degenerate into repeating its last answer (SmolLM2: 77% of regenerated
+# agent turns), so each turn is instead its answer to the real history, as the held-out
+# replay asks it.
+REGEN_HISTORIES = ("generated", "recorded")
 # hybrid name -> the token drafters (eval.baselines names) it puts beside the learned one
 HYBRIDS = {"hybrid_lookup": ("prompt_lookup",), "hybrid_suffix": ("suffix",),
            "hybrid_lookup_choose": ("prompt_lookup",), "hybrid_suffix_choose": ("suffix",),

@@ -37,22 +37,18 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from dlite.config_schema import REGEN_HISTORIES
 from dlite.data import chat
 from dlite.data.formats import Quarantine
 from dlite.decoding.decode import _cache_kwarg, _device, crop_cache, new_cache, target_forward
 from dlite.decoding.lookup import lookup_proposal
 from dlite.decoding.stacked_cache import select, stack, unstack
-from dlite.decoding.verify import sample_token
+from dlite.decoding.verify import sample_token, verify_greedy
 
 SHARE_MIN = 32  # shorter common prefixes are not worth a cache copy
 # Prompt lookup's n-gram lengths (max, min) when drafting: a 1-token match proposes
 # mostly wrong blocks, and every row of a step pays for the longest block in it.
 LOOKUP_NGRAM = (4, 2)
-# What each turn's prompt holds before the turn: the answers generated so far (as every
-# peer regenerates), or the recorded ones -- a small target's own agent turns degenerate
-# into repeating its last answer (SmolLM2: 77% of regenerated agent turns), so each turn
-# is instead its answer to the real history, as the held-out replay asks it.
-HISTORIES = ("generated", "recorded")
 
 
 @dataclass
@@ -90,9 +86,10 @@ class BatchedRegenerator:
         self.model, self.tok = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.samples, self.batch_size, self.seed = samples, batch_size, seed
-        self.lookup = max(0, int(lookup))  # draft tokens per step from prompt lookup (greedy)
-        if history not in HISTORIES:
-            raise ValueError(f"history must be one of {HISTORIES}, got {history!r}")
+        # Draft tokens per step from prompt lookup; greedy only: sampling keeps its stream.
+        self.lookup = max(0, int(lookup)) if temperature <= 0 else 0
+        if history not in REGEN_HISTORIES:
+            raise ValueError(f"history must be one of {REGEN_HISTORIES}, got {history!r}")
         self.history = history
         self.eos = set(eos_ids(model, tokenizer))
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
@@ -284,9 +281,10 @@ class BatchedRegenerator:
         self.stats["decode_steps"] += steps
 
     def _draft(self, row: _Row, out: List[int], budget: int) -> List[int]:
-        """The row's prompt-lookup draft after `out` (greedy only; never past its budget)."""
+        """The row's prompt-lookup draft after `out` (never past its budget; `self.lookup`
+        is 0 when sampling)."""
         room = min(self.lookup, budget - len(out))
-        if room <= 0 or self.temperature > 0:
+        if room <= 0:
             return []
         seq = torch.tensor(row.ids + out)
         draft, _ = lookup_proposal(seq, room, *LOOKUP_NGRAM)
@@ -296,13 +294,12 @@ class BatchedRegenerator:
     def _accept(self, row: _Row, out: List[int], draft: List[int], logits: torch.Tensor, budget: int) -> int:
         """Extend `out` by the accepted drafts and the target's next token, stopping at an
         EOS or the budget; returns how many of the block's columns stay (1 + accepted)."""
-        a = 0
-        if draft:
-            target = logits[:len(draft)].argmax(-1).tolist()
-            while a < len(draft) and draft[a] == target[a]:
-                a += 1
+        if draft:  # greedy only (see `_draft`): the decoding loop's own rule
+            a, nxt = verify_greedy(torch.tensor(draft), logits[:len(draft) + 1])
             self.stats["accepted"] += a
-        for tok in draft[:a] + [self._pick(logits[a], row)]:
+        else:
+            a, nxt = 0, self._pick(logits[0], row)
+        for tok in draft[:a] + [nxt]:
             out.append(tok)
             if tok in self.eos or len(out) >= budget:
                 break

@@ -71,8 +71,8 @@ def unstack(cache, i: int, cols) -> DynamicCache:
     """Row i's columns `cols` (a slice, or the indices of its valid columns in order) of
     a (batched) cache, as a batch-1 cache of its own (a copy: the source may be cropped
     or written later)."""
-    out = DynamicCache()
+    out, view = DynamicCache(), isinstance(cols, slice)  # index tensors copy already
     for j, layer in enumerate(cache.layers):
         k, v = layer.keys[i:i + 1, :, cols], layer.values[i:i + 1, :, cols]
-        out.update(k.clone() if isinstance(cols, slice) else k, v.clone() if isinstance(cols, slice) else v, j)
+        out.update(k.clone() if view else k, v.clone() if view else v, j)
     return out
