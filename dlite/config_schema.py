@@ -85,7 +85,8 @@ class DataConfig:
     skip_other_files: bool = False  # in an input directory: skip non-trajectory files (else quarantined)
     keep_reasoning: bool = False  # keep thinking/reasoning items as assistant reasoning_content
     records_per_shard: int = 64  # record i goes to shard i // records_per_shard (resume)
-    batch_tokens: int = 16384    # token budget of one length-bucketed target forward
+    batch_tokens: int = 16384    # token budget of one padded target forward (GPU; on CPU each
+                                 # sequence runs alone: dlite.data.features.forward_budget)
     shuffle_buffer: int = 256    # rows in each training rank's shuffle buffer
     cache_bytes: int = 1 << 30   # shard sets up to this size are read once and held in memory
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dlite.data import formats, shards
-from dlite.data.features import TargetFeatures, extract, length_buckets, pad_group, write_features
+from dlite.data.features import (TargetFeatures, extract, forward_budget, length_buckets, pad_group,
+                                 write_features)
 from dlite.data.render import sequences
 from dlite.corpus import trajectories as corpus
 DEEPSPEC_BYTES = 2  # DeepSpec stores bf16 states
@@ -56,10 +57,10 @@ def _budget(cfg) -> int:
 
 # ---------------------------------------------------------------- capture overhead
 
-def _padded_batches(seqs: list, budget: int, pad_id: int) -> list:
-    """The (input_ids, attention_mask) batches `iter_extract` forms from `seqs`."""
-    return [pad_group(seqs, group, pad_id)
-            for group in length_buckets([len(s["input_ids"]) for s in seqs], budget)]
+def _padded_batches(seqs: list, budget: int, pad_id: int, device) -> list:
+    """The (input_ids, attention_mask) batches `iter_extract` forms from `seqs` on `device`."""
+    return [pad_group(seqs, group, pad_id) for group in
+            length_buckets([len(s["input_ids"]) for s in seqs], forward_budget(budget, device))]
 
 
 def _time_bare(tf: TargetFeatures, batches: list) -> float:
@@ -84,7 +85,7 @@ def capture_overhead(cfg, tf, seqs: list, pad_id: int, repetitions: int) -> dict
     """Bare vs collection throughput, alternating order each repetition, after one
     untimed warm-up of each (first-call allocations would otherwise bias the first)."""
     spec, budget = _spec(cfg, cfg.data.storage_mode, cfg.data.reference), _budget(cfg)
-    batches, tokens = _padded_batches(seqs, budget, pad_id), sum(len(s["input_ids"]) for s in seqs)
+    batches, tokens = _padded_batches(seqs, budget, pad_id, tf.device), sum(len(s["input_ids"]) for s in seqs)
     bare, coll = [], []
     with tempfile.TemporaryDirectory() as tmp:
         _time_bare(tf, batches)
