@@ -102,6 +102,12 @@ def forward_budget(token_budget: int, device) -> int:
     return 0 if torch.device(device).type == "cpu" else token_budget
 
 
+def forward_groups(seqs: List[dict], token_budget: int, device) -> List[List[int]]:
+    """The groups of `seqs` (indices) that `iter_extract` runs one target forward each on
+    `device`: `length_buckets` under `forward_budget`."""
+    return length_buckets([len(s["input_ids"]) for s in seqs], forward_budget(token_budget, device))
+
+
 def pad_group(seqs: List[dict], group: List[int], pad_id: int):
     """(input_ids, attention_mask) [len(group), longest] for one length bucket."""
     L = max(len(seqs[i]["input_ids"]) for i in group)
@@ -142,8 +148,7 @@ def iter_extract(tf: TargetFeatures, seqs: List[dict], spec: dict, token_budget:
     """Per length bucket: (indices into `seqs`, stored arrays of those sequences, seconds
     in the target forward). `seqs`: {"input_ids", "anchors"}; `spec`: storage_mode,
     reference, topk, gamma. One bucket's arrays are alive at a time."""
-    budget = forward_budget(token_budget, tf.device)
-    for group in length_buckets([len(s["input_ids"]) for s in seqs], budget):
+    for group in forward_groups(seqs, token_budget, tf.device):
         ids, mask = pad_group(seqs, group, pad_id)
         t0 = time.perf_counter()
         feats, final = tf(ids.to(tf.device), mask.to(tf.device))

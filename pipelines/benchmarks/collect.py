@@ -23,8 +23,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dlite.data import formats, shards
-from dlite.data.features import (TargetFeatures, extract, forward_budget, length_buckets, pad_group,
-                                 write_features)
+from dlite.data.features import TargetFeatures, extract, forward_groups, pad_group, write_features
 from dlite.data.render import sequences
 from dlite.corpus import trajectories as corpus
 DEEPSPEC_BYTES = 2  # DeepSpec stores bf16 states
@@ -59,8 +58,7 @@ def _budget(cfg) -> int:
 
 def _padded_batches(seqs: list, budget: int, pad_id: int, device) -> list:
     """The (input_ids, attention_mask) batches `iter_extract` forms from `seqs` on `device`."""
-    return [pad_group(seqs, group, pad_id) for group in
-            length_buckets([len(s["input_ids"]) for s in seqs], forward_budget(budget, device))]
+    return [pad_group(seqs, group, pad_id) for group in forward_groups(seqs, budget, device)]
 
 
 def _time_bare(tf: TargetFeatures, batches: list) -> float:
