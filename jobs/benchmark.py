@@ -25,8 +25,9 @@ speedups over their own plain decoding, which should agree if our timing is hone
 `loss_memory`: peak memory of the training loss, one-shot vs chunked, extrapolated to the
 production batch (goal <= 2 GB).
 `shape_rehearsal`: the Qwen3-4B DLite drafter's shapes (`--rehearse-drafter
-dlite_v1_qwen3_4b`: the published design's) on CPU in bf16 (train step, draft
-round, export round trip), peak RSS and time per phase.
+dlite_v1_qwen3_4b`: the published design's; the `*_qwen3_8b` ones against Qwen3-8B's
+shape) on CPU in bf16 (train step, draft round, export round trip), peak RSS and time
+per phase.
 `regenerate`: today's HFRegenerator against the batched, cache-carrying regenerator on
 the same --conversations (4) built-in trajectories (2-3 assistant turns, 64 new tokens
 per turn; `data.corpus`; `data.regen_lookup=K` adds the lookup-verified variant): tokens/s
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
         p.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[4096, 8192, 16384],
                        help="draft_cost: draft vocabularies to time beside the full one")
         p.add_argument("--rehearse-drafter", default="dlite_qwen3_4b",
-                       help="shape_rehearsal: the configs/drafter/ file to rehearse (e.g. dlite_v1_qwen3_4b)")
+                       help="shape_rehearsal: the configs/drafter/ file to rehearse (e.g. dlite_v1_qwen3_4b, "
+                            "dlite_v1_qwen3_8b)")
         p.add_argument("--work-dir", default=None, help="train: keep shards, runs, MLflow store here")
         p.add_argument("--budget", type=int, default=200,
                        help="quality: optimiser steps per method (DLite: half teacher, half align)")

@@ -2,9 +2,10 @@
 configs/drafter/dlite_qwen3_4b.yaml, this project's design: 5 layers x 2560, ~0.56B
 trainable parameters, draft vocabulary 32768 of 151936, gamma 7; or
 dlite_v1_qwen3_4b.yaml, the released drafter's design and shape, 0.58B, 7 context
-slots, full vocabulary, its target cut to 7 layers) taken once through every code path it
-meets in production, in bf16, against a random-weight target of Qwen3-4B's shape cut
-to `layers` decoder layers (built from a Qwen3Config, nothing downloaded):
+slots, full vocabulary, its target cut to 7 layers; or the Qwen3-8B yamls, against
+Qwen3-8B's shape) taken once through every code path it meets in production, in bf16,
+against a random-weight target of its Qwen3's shape cut to `layers` decoder layers
+(built from a Qwen3Config, nothing downloaded):
 feature capture (`dlite.data.features`), one optimiser step of the real training math
 (`dlite.train.step.compute_loss` + the plain engine's AdamW, `dlite.train.optim`), one
 speculative round (`dlite.decoding.decode.speculative_generate`: prefill, capture,
@@ -45,6 +46,20 @@ QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num
                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rms_norm_eps=1e-6,
                 max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 QWEN3_4B_LAYERS = 36
+# Qwen3-8B's (config.json of Qwen/Qwen3-8B): wider, 36 layers too, and its lm_head is a
+# matrix of its own (untied), which the rehearsal's memory then counts.
+QWEN3_8B = {**QWEN3_4B, "hidden_size": 4096, "intermediate_size": 12288, "tie_word_embeddings": False}
+# Both designs run their backbone at the target's width, so a production drafter yaml
+# names its target by its hidden size.
+QWEN3_BY_WIDTH = {2560: QWEN3_4B, 4096: QWEN3_8B}
+
+
+def target_shape_for(cfg) -> dict:
+    """The Qwen3 target a production drafter config is rehearsed against (by its width)."""
+    if cfg.hidden_size not in QWEN3_BY_WIDTH:
+        raise ValueError(f"shape rehearsal: no Qwen3 target of hidden size {cfg.hidden_size} "
+                         f"(drafter.hidden_size); known: {sorted(QWEN3_BY_WIDTH)}")
+    return QWEN3_BY_WIDTH[cfg.hidden_size]
 
 
 def _hwm() -> int:
@@ -202,7 +217,8 @@ def run(seq_len: int = 512, anchors: int = 64, layers: int = 2, dtype=torch.bflo
         source_layers: int = QWEN3_4B_LAYERS, seed: int = 0, drafter: str = "dlite_qwen3_4b") -> dict:
     """The rehearsal (see the module docstring); returns the report dict. `drafter_cfg`
     (a DrafterConfig; default configs/drafter/<drafter>.yaml) and `target_shape`
-    (Qwen3Config fields; default QWEN3_4B) shrink it for tests; the code path is the
+    (Qwen3Config fields over QWEN3_4B; default the drafter's Qwen3 by its width,
+    `target_shape_for`) shrink it for tests; the code path is the
     same. The published design (`dlite_v1_qwen3_4b`) reads its fixed selection of K
     layers (first, last, evenly spaced), so its target keeps at least K layers and the
     selection is taken again over those (`published_layer_ids`)."""
@@ -217,7 +233,8 @@ def run(seq_len: int = 512, anchors: int = 64, layers: int = 2, dtype=torch.bflo
         else:
             used = map_layer_ids(base.target_layer_ids, source_layers, layers)
         cfg = dataclasses.replace(base, target_layer_ids=used)
-        shape = {**QWEN3_4B, **(target_shape or {}), "num_hidden_layers": layers}
+        full = QWEN3_4B if target_shape else target_shape_for(base)
+        shape = {**full, **(target_shape or {}), "num_hidden_layers": layers}
         return _rehearse(cfg, base, shape, used, source_layers, seq_len, anchors, dtype, seed)
     finally:
         torch.set_num_threads(before)

@@ -5,6 +5,7 @@ round trip, memory figures), shrunk through its arguments so it cannot rot unnot
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from dlite.bench.draft_cost import CONFIG_DIR, load_drafter_yaml
@@ -54,3 +55,18 @@ def test_rehearsal_of_the_published_design_at_a_toy_shape():
     assert out["train"]["finite"] and out["train"]["stepped"]
     assert out["draft"]["drafted"] == cfg.gamma and out["draft"]["valid_ids"]
     assert out["export"]["bitwise_equal"] and out["shapes"]["drafter"]["arch"] == "dlite_v1"
+
+
+def test_each_production_drafter_is_rehearsed_against_its_own_qwen3():
+    """The 8B yamls (both designs) get Qwen3-8B's shape (4096 wide, untied lm_head), the
+    4B ones Qwen3-4B's; a width no Qwen3 here has is refused naming the key."""
+    from dlite.bench.shape_rehearsal import QWEN3_4B, target_shape_for
+    for name in ("dlite_qwen3_8b", "dlite_v1_qwen3_8b"):
+        shape = target_shape_for(load_drafter_yaml(CONFIG_DIR / f"{name}.yaml"))
+        assert shape["hidden_size"] == 4096 and shape["intermediate_size"] == 12288
+        assert shape["tie_word_embeddings"] is False and shape["vocab_size"] == QWEN3_4B["vocab_size"]
+    for name in ("dlite_qwen3_4b", "dlite_v1_qwen3_4b"):
+        assert target_shape_for(load_drafter_yaml(CONFIG_DIR / f"{name}.yaml")) is QWEN3_4B
+    toy = dataclasses.replace(load_drafter_yaml(CONFIG_DIR / "dlite_qwen3_4b.yaml"), hidden_size=64)
+    with pytest.raises(ValueError, match="drafter.hidden_size"):
+        target_shape_for(toy)
