@@ -204,8 +204,8 @@ def config_hash(cfg: DictConfig, sections: Optional[Iterable[str]] = None) -> st
 
 ENUMS = {
     "drafter.arch": {"dlite", "teacher", "dspark", "dlite_v1"},
-    "drafter.context_injection": {"kv", "add"},
-    "drafter.head": {"gru", "attn", "none"},
+    "drafter.context_injection": {"kv", "add", "slots"},
+    "drafter.head": {"gru", "attn", "none", "rank"},
     "data.storage_mode": {"full", "anchors"},
     "data.reference": {"last_hidden", "topk"},
     "data.length_policy": {"truncate", "split", "drop"},
@@ -283,6 +283,9 @@ def _check_draft_vocab(cfg: DictConfig) -> None:
     n, key = cfg.drafter.draft_vocab_size, "drafter.draft_vocab_size"
     if n is None:
         return
+    _require(cfg.drafter.head != "rank", key,
+             f"{n}, but drafter.head 'rank' drafts over the full vocabulary (its own r -> V "
+             f"projection): set null")
     _require(n >= max(2, cfg.drafter.gamma), key,
              f"must be >= drafter.gamma={cfg.drafter.gamma} (or null: the full vocabulary), got {n}")
     vocab = _target_json(cfg.target.path).get("vocab_size")

@@ -44,10 +44,15 @@ class DrafterConfig:
     intermediate_size: int = 768
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # How the single context feature enters the backbone: "kv" = one extra key/value
-    # every layer attends to; "add" = added to every slot's input embedding.
+    # How the context feature enters the backbone: "kv" = the K layers fused into one
+    # extra key/value every layer attends to; "add" = that state added to every slot's
+    # input embedding; "slots" = one key/value per target layer (a shared projection
+    # plus a depth embedding: the published design's context at this width).
     context_injection: str = "kv"
-    # Sequential head: "gru" (default), "attn" (one causal attention layer), "none".
+    # Sequential head: "gru" (default), "attn" (one causal attention layer), "none" --
+    # all in hidden space through the target's lm_head (and the draft vocabulary);
+    # "rank" = the published recurrent head of rank `sequential_rank` with its own V x r
+    # embedding and r -> V output (full vocabulary: draft_vocab_size must be null).
     head: str = "gru"
     head_hidden: int = 256
     # DSpark-style baseline only: rank of the logit-space Markov head.

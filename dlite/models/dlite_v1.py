@@ -55,6 +55,7 @@ from torch import nn
 
 from dlite.models.common import as_batched, attach_target, embed_in, gather_positions, sample_block
 from dlite.models.config import DrafterConfig
+from dlite.models.heads import RecurrentHead
 from dlite.models.history import packed_block_mask, packed_history_kv
 from dlite.models.layers import Backbone, RMSNorm, StaticMemory
 
@@ -69,43 +70,6 @@ def published_layer_ids(num_layers: int, k: int) -> List[int]:
     for i in range(middle):
         picked.add(1 + round((0.5 if middle == 1 else i / (middle - 1)) * span))
     return sorted(picked)
-
-
-class RecurrentHead(nn.Module):
-    """s_k = z * s_{k-1} + (1 - z) * tanh(c), [z; c] = W_s [s_{k-1}; E(x_{k-1})];
-    logits_k = W_out (W_f [s_k; h_k]). E: V x r, W_out: r x V -- its own vocabulary
-    matrices, so one step costs r*V rather than the target's H*V. Module names are
-    theirs (`sequential_head.*` in their checkpoints)."""
-
-    def __init__(self, vocab: int, rank: int, hidden: int):
-        super().__init__()
-        self.prev_token_embedding = nn.Embedding(vocab, rank)
-        self.state_proj = nn.Linear(2 * rank, 2 * rank)
-        self.state_hidden_mlp = nn.Linear(rank + hidden, rank)
-        self.output_proj = nn.Linear(rank, vocab, bias=False)
-
-    def advance(self, state, prev_ids):
-        """The state after reading token ids prev_ids [N]; None = the zero state."""
-        e = self.prev_token_embedding(prev_ids)
-        state = torch.zeros_like(e) if state is None else state
-        gate, cand = self.state_proj(torch.cat([state, e], -1)).chunk(2, -1)
-        gate = torch.sigmoid(gate)
-        return gate * state + (1 - gate) * torch.tanh(cand)
-
-    def step(self, h, prev_ids, state):
-        """One slot: h [N, H], prev_ids [N] -> (logits [N, V], new state)."""
-        state = self.advance(state, prev_ids)
-        return self.output_proj(self.state_hidden_mlp(torch.cat([state, h], -1))), state
-
-    def forward(self, h, prev_ids, prime_ids=None):
-        """Teacher-forced: h [N, g, H], prev_ids [N, g] (slot k's preceding data token),
-        prime_ids [N] or None (the token at anchor-1) -> logits [N, g, V]."""
-        state = None if prime_ids is None else self.advance(None, prime_ids)
-        out = []
-        for k in range(h.shape[1]):
-            logits, state = self.step(h[:, k], prev_ids[:, k], state)
-            out.append(logits)
-        return torch.stack(out, 1)
 
 
 class DLiteV1Drafter(nn.Module):

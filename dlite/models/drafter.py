@@ -1,7 +1,9 @@
 """The DLite drafter: history-free. Each round it sees one context feature (the target's
-K chosen layer outputs at the last verified position), the anchor token and its
+K chosen layer outputs at the last verified position: fused into one key by default,
+or one key per layer with `context_injection: slots`), the anchor token and its
 position; a parallel backbone drafts the whole block in one pass and a small
-sequential head in hidden space walks it left to right. No cache, constant cost."""
+sequential head walks it left to right (in hidden space through the target's lm_head,
+or the published rank-r head with its own vocabulary matrices). No cache, constant cost."""
 
 from typing import Optional, Sequence
 
@@ -11,7 +13,8 @@ from torch import nn
 from dlite.models.common import (as_batched, block_inputs, block_layout, block_rows, embed_in, gather_positions,
                                  init_weights)
 from dlite.models.config import DrafterConfig
-from dlite.models.heads import build_student_parts, context_states, draft_token_rows, draft_tokens, head_logits
+from dlite.models.heads import (build_student_parts, context_kv, context_states, draft_token_rows, draft_tokens,
+                                head_logits)
 from dlite.models.layers import StaticMemory
 
 
@@ -28,10 +31,11 @@ class DLiteDrafter(nn.Module):
         init_weights(self)
 
     def _context(self, c, ctx_pos, x):
-        """Inject context states c [N, hid] at ctx_pos [N, 1] into block inputs x."""
+        """Inject context states c [N, hid] (or [N, K, hid] slots) at ctx_pos [N, 1] into
+        block inputs x."""
         if self.cfg.context_injection == "add":
             return x + c[:, None], None
-        return x, StaticMemory(self.backbone.memory_kv(c[:, None], ctx_pos))
+        return x, StaticMemory(context_kv(self, c[:, None], ctx_pos))
 
     def forward_train(self, batch: dict) -> torch.Tensor:
         """Teacher-forced logits [B, A, g, N] (or [A, g, N] for one sequence)."""
@@ -39,7 +43,7 @@ class DLiteDrafter(nn.Module):
         lay = block_layout(batch, self.gamma, self.vocab.mask_token_id)
         B, A, g = lay["block_ids"].shape
         c = context_states(self, gather_positions(batch["features"], lay["ctx_idx"]))
-        x, mem = self._context(c.reshape(B * A, -1), lay["ctx_pos"].reshape(B * A, 1),
+        x, mem = self._context(c.flatten(0, 1), lay["ctx_pos"].reshape(B * A, 1),
                                embed_in(self, lay["block_ids"].reshape(B * A, g)))
         h = self.backbone(x, lay["block_pos"].reshape(B * A, g), mem)
         logits = head_logits(self, h, lay["prev_ids"].reshape(B * A, g)).view(B, A, g, -1)

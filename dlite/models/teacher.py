@@ -13,7 +13,8 @@ from torch import nn
 
 from dlite.models.common import as_batched, block_inputs, block_layout, embed_in, gather_positions, init_weights
 from dlite.models.config import DrafterConfig
-from dlite.models.heads import build_student_parts, context_states, draft_tokens, head_logits
+from dlite.models.heads import (build_student_parts, context_keys, context_kv, context_states, draft_tokens,
+                                head_logits)
 from dlite.models.history import (HistoryCache, PrefixedMemory, extend_history,
                                   packed_block_mask, packed_history_kv)
 from dlite.models.layers import RMSNorm, StaticMemory
@@ -33,23 +34,21 @@ class HistoryTeacher(nn.Module):
         init_weights(self)
 
     def forward_train(self, batch: dict) -> torch.Tensor:
-        """All A blocks of a sequence in one forward: keys = [history L | context A
-        (kv injection only) | blocks A*g], masked by `packed_block_mask`."""
+        """All A blocks of a sequence in one forward: keys = [history L | context A (kv
+        injection) or A*K (slots) | blocks A*g], masked by `packed_block_mask`."""
         batch, single = as_batched(batch)
         lay = block_layout(batch, self.gamma, self.vocab.mask_token_id)
         B, A, g = lay["block_ids"].shape
         kv = packed_history_kv(self, batch)
         c = context_states(self, gather_positions(batch["features"], lay["ctx_idx"]))
         x = embed_in(self, lay["block_ids"].reshape(B, A * g))
-        n_ctx = 0
         if self.cfg.context_injection == "add":
             x = x + c.repeat_interleave(g, dim=1)
         else:
-            ckv = self.backbone.memory_kv(c, lay["ctx_pos"])
+            ckv = context_kv(self, c, lay["ctx_pos"])
             kv = [(torch.cat([hk, ck], 2), torch.cat([hv, cv], 2))
                   for (hk, hv), (ck, cv) in zip(kv, ckv)]
-            n_ctx = 1
-        mask = packed_block_mask(batch, g, n_ctx, self.cfg.history_window)
+        mask = packed_block_mask(batch, g, context_keys(self.cfg), self.cfg.history_window)
         h = self.backbone(x, lay["block_pos"].reshape(B, A * g), StaticMemory(kv), mask)
         logits = head_logits(self, h.reshape(B * A, g, -1), lay["prev_ids"].reshape(B * A, g))
         logits = logits.view(B, A, g, -1)
@@ -72,7 +71,7 @@ class HistoryTeacher(nn.Module):
         if self.cfg.context_injection == "add":
             x, mem = x + c[:, None], state
         else:
-            mem = PrefixedMemory(state, self.backbone.memory_kv(c[:, None], pos[:, :1] - 1))
+            mem = PrefixedMemory(state, context_kv(self, c[:, None], pos[:, :1] - 1))
         h = self.backbone(x, pos, mem)
         tokens, probs = draft_tokens(self, h, anchor_id, temperature, generator)
         return tokens, probs, state

@@ -64,6 +64,17 @@ ABLATIONS: Dict[str, tuple] = {  # in the order `all` runs them: the likeliest c
                                  "initialisation"),
     "teacher_window_512": ({"drafter.history_window": 512},
                            "the teacher sees the last 512 history positions instead of all of them"),
+    # Two published parts on our design, one at a time (issue 29's isolated rows): the
+    # context as one key per target layer, and the published head with its own vocabulary
+    # matrices (rank drafter.sequential_rank, 256 as published; the full vocabulary, which
+    # it needs: `vocab_full` is the same vocabulary through the target's lm_head,
+    # separating the head from the vocabulary).
+    "context_slots": ({"drafter.context_injection": "slots"},
+                      "one context key per target layer (published) instead of the K layers fused "
+                      "into one"),
+    "head_rank": ({"drafter.head": "rank"},
+                  "the published rank-256 recurrent head with its own V x r / r -> V matrices over the "
+                  "full vocabulary instead of a GRU through the target's lm_head and the draft vocabulary"),
 }
 # The published recipe at this project's budget (FlashMTP `run_training_dlite_two_stage.sh`
 # defaults: KL weight 1, stage-2 CE 1 + TV 1 on the target's greedy token, no slot decay;
@@ -101,7 +112,8 @@ VOCAB_SWEEP = ("vocab_half", "vocab_double", "vocab_full", "vocab_prior_code")
 # The override that makes an ablation what it is: a config already set that way would
 # only retrain the benchmark's own drafter.
 DECIDING_KEY = {"vocab_prior_code": "drafter.draft_vocab_prior", "supervise_all": "train.supervise",
-                "teacher_window_512": "drafter.history_window"}
+                "teacher_window_512": "drafter.history_window", "context_slots": "drafter.context_injection",
+                "head_rank": "drafter.head"}
 
 
 def why_not(cfg, name: str):
@@ -138,6 +150,8 @@ def ablation_config(cfg, name: str, window: int):
     if "draft_vocab" in over:  # the swept N: a factor of the configured N (None: full)
         factor = over.pop("draft_vocab")
         over["drafter.draft_vocab_size"] = None if factor is None else int(cfg.drafter.draft_vocab_size * factor)
+    if over.get("drafter.head") == "rank":  # its own r -> V projection: the full vocabulary
+        over["drafter.draft_vocab_size"] = None
     if "published" in over:
         over.update(_published(cfg, over.pop("published")))
     if over.pop("recipe", False):

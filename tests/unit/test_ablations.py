@@ -135,3 +135,15 @@ def test_teacher_window_row_not_where_the_config_has_it():
     cfg = load_config("configs/experiments/tiny.yaml", ["drafter.history_window=512"])
     assert not ablations.applies(cfg, "teacher_window_512")
     assert "teacher_window_512" not in ablations.parse("all", cfg)
+
+
+def test_published_parts_on_our_design():
+    """`context_slots` / `head_rank`: our design with one published part each; the
+    own-vocabulary head drops the draft vocabulary it cannot use."""
+    smol = load_config("configs/experiments/smollm2.yaml")
+    assert smol.drafter.draft_vocab_size is not None
+    slots = ablations.ablation_config(smol, "context_slots", 1536)
+    assert (slots.drafter.context_injection, slots.drafter.draft_vocab_size) == ("slots", smol.drafter.draft_vocab_size)
+    head = ablations.ablation_config(smol, "head_rank", 1536)
+    assert (head.drafter.head, head.drafter.sequential_rank, head.drafter.draft_vocab_size) == ("rank", 256, None)
+    assert head.drafter.context_injection == "kv" and list(head.run.stages)[1] == "teacher"

@@ -114,6 +114,7 @@ BAD = [  # (overrides, dotted key the error must name)
     (["drafter.arch=eagle"], "drafter.arch"),
     (["drafter.context_injection=cross"], "drafter.context_injection"),
     (["drafter.head=lstm"], "drafter.head"),
+    (["drafter.head=rank", "drafter.draft_vocab_size=64"], "drafter.draft_vocab_size"),  # own r -> V head
     (["drafter.num_heads=4", "drafter.num_kv_heads=3"], "drafter.num_kv_heads"),
     (["cluster.use_gpu=true"], "cluster.use_gpu"),
     (["cluster.use_gpu=true", "cluster.accelerator=gpu"], "cluster.gpus_per_worker"),
@@ -151,6 +152,7 @@ def test_allowed_combinations():
     # the teacher stage is skipped.
     load_config(TINY, ["train.precision=bf16", "drafter.hidden_size=200",
                        "train.skip_teacher=true", "train.steps_teacher=0"])
+    load_config(TINY, ["drafter.context_injection=slots", "drafter.head=rank"])  # the published parts
 
 
 def test_unknown_key_in_a_file_names_it(tmp_path):

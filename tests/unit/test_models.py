@@ -65,7 +65,7 @@ def test_decoder_layer_matches_transformers_qwen3(causal):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("injection,head", [("kv", "gru"), ("add", "attn"), ("kv", "none")])
+@pytest.mark.parametrize("injection,head", [("kv", "gru"), ("add", "attn"), ("kv", "none"), ("slots", "rank")])
 def test_forward_train_shapes_and_grads(arch, injection, head):
     m = make(arch, context_injection=injection, head=head).train()
     batch = make_batch()
@@ -109,13 +109,38 @@ def test_dlite_train_uses_only_the_feature_before_the_anchor():
 
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("injection", ["kv", "add"])
+@pytest.mark.parametrize("injection", ["kv", "add", "slots"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_matches_teacher_forced_training(arch, injection, vocab, temperature):
     """Two rounds of draft() (cache extended in between) reproduce forward_train run on
     the drafted continuation: greedy tokens are its argmax (and no probs are computed);
     sampled tokens come with exactly its softmax, over the target's vocabulary."""
-    m = make(arch, context_injection=injection, vocab=vocab)
+    _draft_agrees_with_training(make(arch, context_injection=injection, vocab=vocab), temperature,
+                                VOCABS[vocab][1])
+
+
+@pytest.mark.parametrize("arch", ["dlite", "teacher"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_own_vocabulary_head_drafts_as_it_trains(arch, temperature):
+    """The published rank-r head on our backbone (`head: rank`, over context slots):
+    the same train/inference agreement, its logits from its own r -> V matrix."""
+    m = make(arch, context_injection="slots", head="rank", sequential_rank=8)
+    assert m.head.output_proj.weight.shape == (V, 8)
+    _draft_agrees_with_training(m, temperature, None)
+
+
+@pytest.mark.parametrize("injection,head", [("slots", "gru"), ("slots", "rank"), ("kv", "rank")])
+def test_batched_rows_draft_as_one_row_each(injection, head):
+    """`draft_rows` (batched decoding) over context slots / the own-vocabulary head: each
+    row's greedy block is the one `draft` makes alone."""
+    m = make("dlite", context_injection=injection, head=head, sequential_rank=8)
+    feats, anchors, positions = torch.randn(3, K * HT), [3, 9, 30], [5, 11, 17]
+    rows = m.draft_rows(feats, anchors, positions, 0.0)
+    for (tok, _), f, a, p in zip(rows, feats, anchors, positions):
+        assert tok.tolist() == m.draft(None, f[None], a, p, 0.0)[0].tolist()
+
+
+def _draft_agrees_with_training(m, temperature, draft_ids):
     batch = make_batch(B=1, L=24)
     feats, ids = batch["features"][0], batch["input_ids"][0].clone()
     state, g = m.new_state(), torch.Generator().manual_seed(5)
@@ -132,7 +157,7 @@ def test_draft_matches_teacher_forced_training(arch, injection, vocab, temperatu
     assert probs.shape == (CFG.gamma, V) and (probs.gather(1, tokens[:, None]) > 0).all()
     torch.testing.assert_close(probs.sum(-1), torch.ones(CFG.gamma))
     torch.testing.assert_close(m.vocab.to_full(torch.softmax(logits, -1)), probs, rtol=1e-4, atol=1e-5)
-    if VOCABS[vocab][1] is not None:
+    if draft_ids is not None:
         outside = torch.ones(V, dtype=torch.bool).index_fill_(0, DRAFT_IDS, False)
         assert (probs[:, outside] == 0).all() and torch.isin(tokens, DRAFT_IDS).all()
 
@@ -175,7 +200,7 @@ def test_dspark_cache_grows_with_context_and_refuses_gaps():
         m.draft(state, torch.randn(3, K * HT), 1, 5000, 0.0)
 
 
-@pytest.mark.parametrize("injection,head", [("kv", "gru"), ("add", "attn")])
+@pytest.mark.parametrize("injection,head", [("kv", "gru"), ("add", "attn"), ("slots", "rank")])
 def test_init_student_from_teacher_copies_every_shared_weight(injection, head):
     teacher, student = make("teacher", 1, context_injection=injection, head=head), \
         make("dlite", 2, context_injection=injection, head=head)
@@ -197,6 +222,8 @@ def test_construction_is_deterministic_and_validated():
     torch.testing.assert_close(a.forward_train(batch), b.forward_train(batch), rtol=0, atol=0)
     with pytest.raises(ValueError, match="context_injection"):
         make("dlite", context_injection="cross")
+    with pytest.raises(ValueError, match="draft_vocab_size: head 'rank'"):
+        make("dlite", head="rank", vocab="learned_draft")
     with pytest.raises(ValueError, match="arch"):
         make("eagle")
 
