@@ -466,8 +466,8 @@ def _check_eval_methods(e: DictConfig) -> None:
         _require(not bad and len(set(names)) == len(names), key,
                  f"{list(names)}: each must be one of {list(allowed)}, at most once")
     _require(0 <= e.draft_stop_prob < 1, "eval.draft_stop_prob", f"not in [0, 1): {e.draft_stop_prob}")
-    _require(e.lookup_gamma is None or e.lookup_gamma > 0, "eval.lookup_gamma",
-             f"must be > 0 (or null), got {e.lookup_gamma}")
+    for key in ("lookup_gamma", "hybrid_gamma"):
+        _require(e[key] is None or e[key] > 0, f"eval.{key}", f"must be > 0 (or null), got {e[key]}")
     _require(e.lookup.min_ngram <= e.lookup.max_ngram, "eval.lookup.max_ngram",
              f"{e.lookup.max_ngram} < eval.lookup.min_ngram={e.lookup.min_ngram}")
     _require(0 <= e.suffix.min_token_prob <= 1, "eval.suffix.min_token_prob",

@@ -218,6 +218,10 @@ class EvalConfig:
     concurrency: List[int] = field(default_factory=list)
     concurrency_requests: Optional[int] = None  # turns decoded (None: twice the largest concurrency)
     lookup_gamma: Optional[int] = None  # tokens a training-free method may propose (None: drafter.gamma)
+    # Tokens a token drafter may propose inside a hybrid (None: lookup_gamma's). A hybrid
+    # verifies the prefix worth its cost, so a long copy can run on where a lone prompt
+    # lookup would verify every proposed token whatever its chance.
+    hybrid_gamma: Optional[int] = None
     lookup: LookupConfig = field(default_factory=LookupConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
 

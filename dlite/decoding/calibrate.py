@@ -34,8 +34,8 @@ def scored_token_methods(hybrids: Iterable[str]) -> List[str]:
 
 def calibration_builders(ev, primary, vocab_size: int) -> Dict[str, object]:
     """{calib_<token method>: builder of an unpruned tree hybrid over it}."""
-    from dlite.decoding.methods import _TOKEN_DRAFTERS, _hybrid
-    gamma = ev.lookup_gamma or primary.gamma
+    from dlite.decoding.methods import _TOKEN_DRAFTERS, _hybrid, token_gammas
+    gamma = token_gammas(ev, primary)[1]  # observed at the length the hybrids propose
     budget = 4 * max(gamma, primary.gamma)  # above any chain pair, and room for a suffix tree
 
     def one(model, lk):  # the learned drafter in every round: each is an observation of it

@@ -53,6 +53,14 @@ def _suffix(ev, vocab_size: int, gamma: int):
 _TOKEN_DRAFTERS = {"prompt_lookup": _lookup, "suffix": _suffix}
 
 
+def token_gammas(ev, primary=None) -> tuple:
+    """(tokens a training-free method may propose alone, inside a hybrid):
+    `eval.lookup_gamma` (default: the primary drafter's gamma, else 7) and
+    `eval.hybrid_gamma` (default: the first)."""
+    alone = ev.lookup_gamma or (primary.gamma if primary is not None else 7)
+    return alone, ev.hybrid_gamma or alone
+
+
 def hybrid_rule(name: str) -> str:
     """`match` (hybrid_lookup / hybrid_suffix), `choose` or `tree`, from the name."""
     return name.rsplit("_", 1)[1] if name.endswith(("_choose", "_tree")) else "match"
@@ -101,13 +109,14 @@ def method_builders(ev, learned: Dict[str, object], vocab_size: int,
     `<primary>_ctxvocab` when eval.context_vocab, then the baselines, then the hybrids
     (each over the primary -- first -- learned drafter).
     Training-free drafters propose up to `eval.lookup_gamma` tokens (default: the
-    primary drafter's gamma). The learned drafters get the evaluation's inference
+    primary drafter's gamma), inside a hybrid up to `eval.hybrid_gamma` (default: the
+    same; `token_gammas`). The learned drafters get the evaluation's inference
     setting `eval.draft_stop_prob` here, the one place that turns `eval` into methods.
     `calibration`: `Calibration.to_dict()` of a fit on validation turns (None: defaults)."""
     for d in learned.values():
         d.draft_stop_prob = ev.draft_stop_prob
     primary = next(iter(learned.values()), None)
-    gamma = ev.lookup_gamma or (primary.gamma if primary is not None else 7)
+    gamma, hybrid_gamma = token_gammas(ev, primary)
     out = {name: (lambda d=d: d) for name, d in learned.items()}
     if ev.context_vocab:
         out.update(_context_vocab(learned))
@@ -117,5 +126,6 @@ def method_builders(ev, learned: Dict[str, object], vocab_size: int,
         if primary is None:
             raise ValueError(f"eval.hybrids: {name} needs a learned drafter to pair with")
         makers, one = [_TOKEN_DRAFTERS[m] for m in HYBRIDS[name]], hybrid_maker(ev, name, calibration)
-        out[name] = lambda makers=makers, one=one: _hybrid(primary, [m(ev, vocab_size, gamma) for m in makers], one)
+        out[name] = lambda makers=makers, one=one: _hybrid(primary, [m(ev, vocab_size, hybrid_gamma)
+                                                                     for m in makers], one)
     return out

@@ -125,7 +125,8 @@ _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size"
                           "corpus": "builtin", "extra_prompts": None, "extra_prompts_limit": 0},
                  "eval": {"verify_cost_tokens": [1, 2, 4, 8], "verify_cost": [1.0, 1.4, 1.6, 2.2],
                           "tree_budget": 16, "calibration_trajectories": 1,
-                          "calibration_max_turns": None, "concurrency": [], "concurrency_requests": None}}
+                          "calibration_max_turns": None, "concurrency": [], "concurrency_requests": None,
+                          "hybrid_gamma": None}}
 
 
 # Keys inside a section a stage hashes whole that do not decide that stage's output:

@@ -135,6 +135,7 @@ BAD = [  # (overrides, dotted key the error must name)
     (["target.dtype=fp8"], "target.dtype"),
     (["eval.min_context=900", "eval.max_context=800"], "eval.min_context"),
     (["eval.turn_pick=longest"], "eval.turn_pick"),
+    (["eval.hybrid_gamma=0"], "eval.hybrid_gamma"),
     (["target.attn_implementation=flash"], "target.attn_implementation"),
     (["target.path=pypi:no-such-dlite-package"], "target.path"),
 ]

@@ -232,6 +232,40 @@ def test_method_builders_make_the_new_rows(model):
     assert isinstance(builders["hybrid_lookup_suffix_choose"]()(REPEAT), ChooseHybrid)
 
 
+def test_hybrids_propose_up_to_their_own_gamma(model):
+    """eval.hybrid_gamma lengthens the token drafters inside hybrids only (a hybrid
+    verifies the prefix worth its cost); alone they keep eval.lookup_gamma, and with no
+    hybrid_gamma both are the same. The calibration observes the hybrids' length."""
+    from dlite.decoding.calibrate import calibration_builders
+    names = ["hybrid_lookup_suffix_choose", "hybrid_lookup_suffix_tree", "hybrid_lookup"]
+    ev = OmegaConf.structured(EvalConfig(baselines=["prompt_lookup", "suffix"], hybrids=names,
+                                         lookup_gamma=5, hybrid_gamma=16))
+    builders = method_builders(ev, {"dlite": model}, V, Calibration().to_dict())
+    assert builders["prompt_lookup"]()(REPEAT).gamma == 5 and builders["suffix"]()(REPEAT).gamma == 5
+    for name in names[:2]:
+        assert [lk.gamma for lk in builders[name]()(REPEAT).lookups] == [16, 16]
+    assert builders["hybrid_lookup"]()(REPEAT).lookup.gamma == 16
+    calib = calibration_builders(ev, model, V)["calib_prompt_lookup"]()(REPEAT)
+    assert [lk.gamma for lk in calib.lookups] == [16]
+    same = method_builders(OmegaConf.structured(EvalConfig(hybrids=names[:1], baselines=["prompt_lookup"])),
+                           {"dlite": model}, V, Calibration().to_dict())
+    assert same["prompt_lookup"]()(REPEAT).gamma == model.gamma
+    assert [lk.gamma for lk in same[names[0]]()(REPEAT).lookups] == [model.gamma] * 2
+
+
+def test_hybrid_gamma_unset_keeps_finished_evaluations_reusable():
+    """Added after evaluate stages were hashed: null hashes as a config without the key."""
+    from dlite.config import load_config
+    from pipelines.orchestration import dag
+    cfg = load_config(None, [])
+    d = dag.BY_NAME["evaluate"]
+    before = OmegaConf.to_container(cfg, resolve=True)
+    del before["eval"]["hybrid_gamma"]
+    old = dag._stage_hash(OmegaConf.create(before), d, {}, "t")
+    assert dag._stage_hash(cfg, d, {}, "t") == old
+    assert dag._stage_hash(OmegaConf.merge(cfg, {"eval": {"hybrid_gamma": 16}}), d, {}, "t") != old
+
+
 def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     """On a real replay: the unpruned tree's rounds give observations for both
     proposers, the fit is saved as a dict, and a report's hybrid rows carry the source
