@@ -12,6 +12,7 @@ whose body becomes the `<axis>` section) < the experiment's own keys < overrides
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -381,6 +382,19 @@ def _check_extra_prompts(d) -> None:
     _require(Path(d.extra_prompts).is_file(), "data.extra_prompts", f"no such file: {d.extra_prompts}")
 
 
+def _check_val_group(d) -> None:
+    """A regex with a capture group naming the group (`dlite.train.plan.record_group`),
+    refused before any cluster work when it cannot be one."""
+    if d.val_group is None:
+        return
+    try:
+        groups = re.compile(d.val_group).groups
+    except (re.error, TypeError) as e:
+        raise ConfigError(f"data.val_group: not a regular expression: {d.val_group!r} ({e})") from None
+    _require(groups >= 1, "data.val_group", f"needs a capture group naming the group, e.g. '^(.+)-\\d+$'; "
+             f"got {d.val_group!r}")
+
+
 def _check_data_train_eval(cfg: DictConfig) -> None:
     d, t, e = cfg.data, cfg.train, cfg.eval
     _require(d.min_chars <= d.max_chars, "data.min_chars",
@@ -392,6 +406,7 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
     _require(d.regen_samples == 1 or d.regen_temperature > 0, "data.regen_samples",
              f"{d.regen_samples} samples at data.regen_temperature=0 would be identical copies")
     _check_extra_prompts(d)
+    _check_val_group(d)
     _require(t.skip_teacher or t.steps_teacher > 0, "train.steps_teacher",
              f"must be > 0 unless train.skip_teacher, got {t.steps_teacher}")
     _require(t.zero_stage is None or 0 <= t.zero_stage <= 3, "train.zero_stage",

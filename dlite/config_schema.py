@@ -62,6 +62,11 @@ class DataConfig:
     extra_prompts_limit: int = 0  # prompts taken from data.extra_prompts (0: all)
     n_train: int = 64
     n_heldout: int = 8
+    # Validation rows hold out whole groups of records: a regex whose first capture group
+    # of a record id names its group (`^(.+)-\d+$`: the repository of SWE-bench's
+    # `<owner>__<repo>-<number>`, and of the agent corpus's `agent-<split>__<package>-<i>`),
+    # so no repository is both trained on and validated; None: record by record.
+    val_group: Optional[str] = None
     min_chars: int = 3000  # built-in corpus: rendered length of each trajectory
     max_chars: int = 14000
     max_seq_len: int = 2048  # the tiny corpus's system prompt + tools alone is ~700 tokens

@@ -32,13 +32,18 @@ from dlite.corpus import trajectories
 
 KINDS = ("builtin", "agent", "mixed")
 THREADS = 4
+AGENT_IDS = 2  # the agent sessions' id scheme, part of their input file's name
 
 
 def _agent_one(split: str, seed: int, i: int, min_chars: int, max_chars: int) -> dict:
     rng = random.Random(f"dlite-agent:{split}:{seed}:{i}")
     layout = L.LAYOUTS[i % len(L.LAYOUTS)]
     pkg = rng.choice(agent_run.packages(split))
-    s = agent_run.run_session(rng, pkg, L.STYLE[layout], min_chars, max_chars, f"agent-{split}-{i:06d}")
+    # The package in the id, as SWE-bench names an instance by its repository
+    # (`<owner>__<repo>-<number>`): `data.val_group` can then validate on packages the
+    # training rows never read, as the held-out split does.
+    sid = f"agent-{split}__{pkg}-{i:06d}"
+    s = agent_run.run_session(rng, pkg, L.STYLE[layout], min_chars, max_chars, sid)
     return L.writer(layout, i)(s)
 
 
@@ -121,6 +126,8 @@ def input_file(root: Path, kind: str, split: str, n: int, seed: int, min_chars: 
     name = f"input-{split}-n{n}-s{seed}"  # today's name for today's corpus: old runs resume
     if kind != "builtin" or prompts:
         name = f"input-{kind}-{split}-n{n}-s{seed}-c{min_chars}-{max_chars}"
+    if kind != "builtin":
+        name += f"-ids{AGENT_IDS}"  # agent sessions' ids name their package since version 2
     if prompts:
         digest = hashlib.sha256(Path(prompts).read_bytes()).hexdigest()[:12]
         name += f"-p{digest}-{limit}"

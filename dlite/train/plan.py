@@ -25,6 +25,7 @@ runs them in one process with the plain engine. Both build everything from here.
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -240,11 +241,42 @@ def special_ids(target_cfg) -> List[int]:
 
 # ---------------------------------------------------------------- validation data
 
-def heldout_ids(ids: List[str], n: int) -> List[str]:
-    """n record ids chosen by hash (stable whatever the shard order); every part of a
-    split record goes the same way, so no held-out text leaks into training."""
-    uniq = sorted(set(ids), key=lambda i: hashlib.sha256(i.encode()).hexdigest())
-    return sorted(uniq[:n])
+SAMPLE_SUFFIX = re.compile(r"#s\d+$")  # regeneration's extra answers: `<id>#s<k>`
+
+
+def record_group(record_id: str, pattern: Optional[str] = None) -> str:
+    """What a record is held out with: every answer regenerated for one conversation
+    (`<id>#s<k>`) always; with `pattern` (`data.val_group`), every record whose id gives
+    the same first capture group -- e.g. `^(.+)-[0-9]+$` puts SWE-bench's
+    `<owner>__<repo>-<number>` instances of one repository together. An id that does not
+    match is a group of its own."""
+    base = SAMPLE_SUFFIX.sub("", record_id)
+    m = re.match(pattern, base) if pattern else None
+    return m.group(1) if m else base
+
+
+def heldout_ids(ids: List[str], n: int, pattern: Optional[str] = None) -> List[str]:
+    """About n record ids, whole groups (`record_group`) chosen by hash (stable whatever
+    the shard order); every part of a split record goes the same way, so no held-out
+    text leaks into training. Groups are taken in hash order while they fit in 2n
+    records, until n are held (at least one group: the smallest when none fits);
+    refused when that would hold every record."""
+    groups: dict = {}
+    for i in sorted(set(ids)):
+        groups.setdefault(record_group(i, pattern), []).append(i)
+    order = sorted(groups, key=lambda g: hashlib.sha256(g.encode()).hexdigest())
+    held: List[str] = []
+    for g in order:
+        if len(held) >= n:
+            break
+        if len(held) + len(groups[g]) <= max(2 * n, 1):
+            held += groups[g]
+    if not held and groups:
+        held = list(min(groups.values(), key=len))
+    if groups and len(held) == len(set(ids)):
+        raise ValueError(f"data.val_group {pattern!r}: one group holds every record "
+                         f"({len(held)}); validation would leave nothing to train on")
+    return sorted(held)
 
 
 def heldout_rows(uri: str, ids: Optional[List[str]] = None, limit: int = 64) -> List[dict]:

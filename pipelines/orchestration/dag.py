@@ -34,7 +34,7 @@ MARKER = "stage.json"
 _TRAIN_COMMON = ("run.seed", "drafter", "train.lr", "train.warmup_frac", "train.weight_decay",
                  "train.batch_size", "train.grad_accum", "train.grad_clip", "train.zero_stage",
                  "train.precision", "train.eval_every", "train.supervise", "cluster.num_workers",
-                 "data.shuffle_buffer")
+                 "data.shuffle_buffer", "data.val_group")
 # The loss each training stage reads: the teacher its own keys, the others stage 2's.
 _STAGE2_LOSS = ("train.ce_weight", "train.tv_weight", "train.loss_decay", "train.ce_labels")
 _TEACHER_LOSS = ("train.teacher_ce_weight", "train.teacher_tv_weight", "train.teacher_loss_decay",
@@ -111,6 +111,7 @@ _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size"
                              "v1_teacher": False, "history_window": None},
                  "train.supervise": "assistant",
                  "data.shuffle_buffer": 256,  # hashed through collect's data section before
+                 "data.val_group": None,
                  # the stage-2 loss and recipe as they were hard-wired before they were keys
                  "train.ce_weight": 0.1, "train.tv_weight": 0.9, "train.loss_decay": 4.0,
                  "train.ce_labels": "data", "train.recipe": "teacher_init", "train.blend_frac": 0.0,
@@ -133,12 +134,23 @@ _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size"
 # how fast it is made (`regen_batch_size`, `regen_lookup`: batched regeneration, with
 # or without verified lookup drafts, gives batch 1's greedy tokens;
 # `batch_tokens`: collection's forward batches) or what later stages read (`cache_bytes`,
-# and `shuffle_buffer`, which the training stages hash themselves). They are hashed at
+# and `shuffle_buffer` and `val_group`, which the training stages hash themselves). They are hashed at
 # their defaults: changing one keeps a finished stage reusable, and the hashes of runs
 # at the defaults stay what they were.
 _HASHED_AT_DEFAULT = {"collect": {"data": {"regen_batch_size": 8, "regen_lookup": 0,
                                            "batch_tokens": 16384, "cache_bytes": 1 << 30,
-                                           "shuffle_buffer": 256}}}
+                                           "shuffle_buffer": 256, "val_group": None}}}
+
+
+def _agent_ids(cfg) -> Optional[int]:
+    """The agent corpus's id scheme when the stages read it (a built-in agent or mixed
+    corpus, no data.train_path): ids name the package since version 2, which
+    `data.val_group` reads, so stages finished on the old ids are not reused."""
+    d = cfg.data
+    if d.get("train_path") or d.get("corpus", "builtin") == "builtin":
+        return None
+    from dlite.corpus.build import AGENT_IDS
+    return AGENT_IDS
 
 
 def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
@@ -153,6 +165,8 @@ def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
             del values[key]
     payload = {"stage": d.name, "keys": values, "deps": dep_hashes,
                **({"target": identity} if d.name in ("regenerate", "collect") else {})}
+    if d.name in ("regenerate", "collect") and _agent_ids(cfg):
+        payload["agent_ids"] = _agent_ids(cfg)  # the built input's record ids changed
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -94,14 +94,15 @@ def _read(uri: str, path: str, columns=None) -> pa.Table:
 
 
 def split_inputs(cfg, input_uri: str, heldout_uri: Optional[str], manifest: dict) -> StageInputs:
-    """Held-out records: the `heldout_uri` collection when given, else a hash-chosen
-    tenth of the input's records (1..64), kept out of training."""
+    """Held-out records: the `heldout_uri` collection when given, else about a tenth of
+    the input's records (1..64) in whole groups (`data.val_group`), chosen by hash and
+    kept out of training."""
     ids = [i for f in manifest["files"] for i in _read(input_uri, f["path"], ["id"])["id"].to_pylist()]
     held = None
     if heldout_uri:
         shards.read_manifest(heldout_uri, manifest["target_fingerprint"])
     else:
-        held = st.heldout_ids(ids, max(1, min(64, len(set(ids)) // 10)))
+        held = st.heldout_ids(ids, max(1, min(64, len(set(ids)) // 10)), cfg.data.val_group)
     table = None
     if sum(f["bytes"] for f in manifest["files"]) <= cache_bytes(cfg):
         table = keep_rows(pa.concat_tables([_read(input_uri, f["path"]) for f in manifest["files"]]),

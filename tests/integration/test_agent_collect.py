@@ -37,5 +37,5 @@ def test_regenerate_answers_sessions_and_extra_prompts(ray_session, random_targe
             for x in f.read_text().splitlines()]
     prompt = next(r for r in rows if r["id"] == "prompt-1")
     assert [x["role"] for x in prompt["messages"]] == ["user", "assistant"] and prompt["turns"] == 1
-    session = next(r for r in rows if r["id"] == "agent-train-000000")
+    session = next(r for r in rows if r["id"].startswith("agent-train__") and r["id"].endswith("-000000"))
     assert session["turns"] == sum(x["role"] == "assistant" for x in session["messages"]) > 5

@@ -158,9 +158,13 @@ def test_a_broken_session_is_quarantined_with_its_reason(tmp_path):
 def test_corpus_kinds_and_input_file(tmp_path):
     mixed = list(build.generate("mixed", "train", 3, 0, 3000, 6000))
     assert [formats.source_format(r) for r in mixed] == ["openai", "mini-swe-agent", "openai"]
-    assert mixed[0]["id"] == "train-000000" and mixed[1]["instance_id"] == "agent-train-000000"
+    assert mixed[0]["id"] == "train-000000" and mixed[1]["instance_id"].startswith("agent-train__")
+    # The package in the id, as SWE-bench's <owner>__<repo>-<number>: a training package
+    from dlite.corpus import agent_run
+    from dlite.train.plan import record_group
+    assert record_group(mixed[1]["instance_id"], r"^(.+)-\d+$")[len("agent-train__"):] in agent_run.packages("train")
     p = build.input_file(tmp_path, "agent", "heldout", 2, 0, 3000, 6000)
-    assert p.name == "input-agent-heldout-n2-s0-c3000-6000.jsonl" and len(p.read_text().splitlines()) == 2
+    assert p.name == "input-agent-heldout-n2-s0-c3000-6000-ids2.jsonl" and len(p.read_text().splitlines()) == 2
     assert build.input_file(tmp_path, "builtin", "train", 1, 0, 3000, 6000).name == "input-train-n1-s0.jsonl"
     with pytest.raises(ValueError, match="data.corpus"):
         list(build.generate("bogus", "train", 1, 0, 3000, 6000))
@@ -173,3 +177,19 @@ def test_config_names_the_bad_corpus_key():
     assert load_config("configs/experiments/tiny.yaml", ["data.corpus=agent"]).data.corpus == "agent"
     with pytest.raises(ConfigError, match="data.corpus"):
         load_config("configs/experiments/tiny.yaml", ["data.corpus=agents"])
+
+
+def test_stages_built_on_the_old_agent_ids_are_not_reused(tmp_path, monkeypatch):
+    """The agent corpus's ids name their package since id scheme 2 (what data.val_group
+    reads): regeneration and collection on a built agent corpus hash the scheme, so a
+    run finished on the old ids is redone; the built-in corpus's hashes do not move."""
+    from dlite.config import load_config
+    from pipelines.orchestration import dag
+    out = [f"run.output_dir={tmp_path}"]
+    for corpus, moves in (("agent", ["collect"]), ("builtin", [])):
+        cfg = load_config("configs/experiments/tiny.yaml", out + [f"data.corpus={corpus}"])
+        now = {s.name: s.hash for s in dag.plan(cfg)}
+        monkeypatch.setattr(build, "AGENT_IDS", 1)
+        old = {s.name: s.hash for s in dag.plan(cfg)}
+        monkeypatch.undo()
+        assert [k for k in ("collect", "teacher") if now[k] != old[k]][:1] == moves

@@ -136,6 +136,8 @@ BAD = [  # (overrides, dotted key the error must name)
     (["eval.min_context=900", "eval.max_context=800"], "eval.min_context"),
     (["eval.turn_pick=longest"], "eval.turn_pick"),
     (["eval.hybrid_gamma=0"], "eval.hybrid_gamma"),
+    (["data.val_group=(unclosed"], "data.val_group"),
+    (["data.val_group=^agent-.+$"], "data.val_group"),
     (["target.attn_implementation=flash"], "target.attn_implementation"),
     (["target.path=pypi:no-such-dlite-package"], "target.path"),
 ]

@@ -191,6 +191,7 @@ def test_the_dag_runs_regenerate_before_collect_only_when_asked(tmp_path):
     ("data.regen_batch_size=4", []), ("data.regen_lookup=7", []), ("data.batch_tokens=4096", []),
     ("data.cache_bytes=1000", []),
     ("data.shuffle_buffer=16", ["teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"]),
+    ("data.val_group=^(.+)-[0-9]+$", ["teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"]),
     ("data.n_train=3", ["collect", "teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"])])
 def test_how_fast_a_stage_runs_leaves_its_hash(tmp_path, knob, moves):
     """Keys that say how fast collection and regeneration run (or what only training

@@ -147,6 +147,28 @@ def test_heldout_ids_are_stable_and_whole_records():
     assert held == heldout_ids(list(reversed(ids)), 3) and len(held) == 3
 
 
+def test_validation_holds_out_whole_repositories():
+    """`data.val_group`: SWE-bench-style ids (<owner>__<repo>-<number>) of one repository
+    go to validation together, never split between it and training; a regenerated
+    conversation's extra answers (<id>#s<k>) always go with it; a pattern that makes
+    one group of everything is refused, naming the key."""
+    from dlite.train.plan import heldout_ids, record_group
+    repos = ["a__flask", "b__tqdm", "c__click", "d__yaml", "e__idna"]
+    ids = [f"{r}-{i:04d}" for r in repos for i in range(6)] + [f"{r}-0000#s1" for r in repos]
+    held = heldout_ids(ids, 3, r"^(.+)-\d+$")
+    groups = {record_group(i, r"^(.+)-\d+$") for i in held}
+    assert len(groups) == 1 and len(held) == 7  # one repository: its 6 instances and a sample
+    train = set(ids) - set(held)
+    assert not groups & {record_group(i, r"^(.+)-\d+$") for i in train}
+    assert held == heldout_ids(list(reversed(ids)), 3, r"^(.+)-\d+$")
+    # Without a pattern: record by record, but a record's samples stay with it.
+    plain = heldout_ids(ids, 3)
+    assert all((i + "#s1" in plain) for i in plain if i.endswith("-0000") and i + "#s1" in ids)
+    assert record_group("x-0003#s2") == "x-0003"
+    with pytest.raises(ValueError, match="data.val_group"):
+        heldout_ids(ids, 3, r"^.(_)")  # every id's second character: one group
+
+
 def test_validate_pools_batches_like_one_batch():
     from dlite.models import DrafterConfig
     from dlite.train.step import validate
