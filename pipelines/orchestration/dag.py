@@ -163,10 +163,12 @@ def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
             values[key] = {k: v for k, v in values[key].items() if neutral.get(k, object()) != v}
         elif key in values and values[key] == neutral:
             del values[key]
-    payload = {"stage": d.name, "keys": values, "deps": dep_hashes,
-               **({"target": identity} if d.name in ("regenerate", "collect") else {})}
-    if d.name in ("regenerate", "collect") and _agent_ids(cfg):
-        payload["agent_ids"] = _agent_ids(cfg)  # the built input's record ids changed
+    payload = {"stage": d.name, "keys": values, "deps": dep_hashes}
+    if d.name in ("regenerate", "collect"):
+        payload["target"] = identity
+        scheme = _agent_ids(cfg)
+        if scheme:  # the built input's record ids changed
+            payload["agent_ids"] = scheme
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
