@@ -20,6 +20,16 @@ smoothed toward the pooled one: acceptance is conditional on the slots before it
 copy that has held for a few tokens tends to go on holding (prompt lookup's feature is
 the same at every slot, so without depth a long right copy was scored like a short
 one and cut).
+A token drafter's first slot is also judged by the learned drafter, where it ran: the
+probability its own first-slot distribution gives the proposed token (`agree`, a number
+fixed before it draws anything). A fit keeps, per token source, a `Judge`: a logistic
+model of slot 0's acceptance over the logit of the source's own slot-0 map and the log
+of that probability -- three numbers, since two validation trajectories give a few dozen
+judged blocks per source, too few for a map per (feature, agreement) bin. Measured on
+the SmolLM2 default's held-out agent turns (stop 52): a 1-2-token lookup match was right
+28% of the time, 91% when the drafter's own first token was the same, 9% when the
+drafter gave it under 0.1 -- copying's features cannot tell a copy from a common phrase,
+the target's hidden state, read by the drafter, largely can.
 
 `CostCurve`: verifying m tokens (anchor included) costs cost(m) decode steps, linear
 between measured points, and running the learned drafter costs `draft` steps more. The default is this project's CPU measurement (SmolLM2-135M
@@ -28,7 +38,10 @@ at 4K context, `jobs.benchmark target_probe` step costs: 1 / 2 / 4 / 8 tokens co
 set another machine's."""
 
 import dataclasses
+import math
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
 
 # The learned drafter's observations in rounds where no token drafter proposed: a source
 # of its own, so that its typical block there is known (`calibrate.round_branches`) ...
@@ -108,16 +121,24 @@ def _map_from(d: dict) -> BinnedMap:
 
 class Calibration:
     """{source: BinnedMap} (pooled over slots) and, where fitted, {source: [BinnedMap
-    per depth bin]}; a source without a fit gets its default map."""
+    per depth bin]} and {token source: its slot-0 `Judge`}; a source without a fit gets
+    its default map."""
 
     def __init__(self, maps: Dict[str, BinnedMap] = None, fitted_on: dict = None,
-                 by_depth: Dict[str, List[BinnedMap]] = None):
+                 by_depth: Dict[str, List[BinnedMap]] = None, judges: Dict[str, "Judge"] = None):
         self.maps, self.fitted_on = dict(maps or {}), fitted_on or {}
-        self.by_depth = dict(by_depth or {})
+        self.by_depth, self.judges = dict(by_depth or {}), dict(judges or {})
 
-    def prob(self, source: str, x: float, depth: int = None) -> float:
+    def judged(self, source: str) -> bool:
+        """Whether `source`'s first slot is judged by the learned drafter's agreement."""
+        return source in self.judges
+
+    def prob(self, source: str, x: float, depth: int = None, agree: float = None) -> float:
         """P(accepted | feature x, every slot before it accepted) at slot `depth`
-        (None: pooled over depths)."""
+        (None: pooled over depths); at slot 0, with the learned drafter's probability
+        `agree` of the token, the source's judge where fitted."""
+        if depth == 0 and agree is not None and source in self.judges:
+            return self.judges[source](self.prob(source, x, 0), agree)
         if depth is not None and source in self.by_depth:
             return self.by_depth[source][depth_bin(depth)](x)
         if source not in self.maps:
@@ -125,8 +146,8 @@ class Calibration:
             self.maps[source] = BinnedMap(edges, _midpoints(edges, source), [0] * (len(edges) + 1))
         return self.maps[source](x)
 
-    def slot_probs(self, source: str, feats: Sequence[float]) -> List[float]:
-        return [self.prob(source, x, k) for k, x in enumerate(feats)]
+    def slot_probs(self, source: str, feats: Sequence[float], agree: float = None) -> List[float]:
+        return [self.prob(source, x, k, agree) for k, x in enumerate(feats)]
 
     def fitted(self, source: str) -> bool:
         return source in self.by_depth
@@ -146,6 +167,7 @@ class Calibration:
     def to_dict(self) -> dict:
         return {"maps": {s: m.to_dict() for s, m in self.maps.items()},
                 "by_depth": {s: [m.to_dict() for m in ms] for s, ms in self.by_depth.items()},
+                "judges": {s: [round(w, 6) for w in j.w] for s, j in self.judges.items()},
                 "depth_edges": list(DEPTH_EDGES), "fitted_on": self.fitted_on}
 
     @classmethod
@@ -157,7 +179,8 @@ class Calibration:
                              f"this code reads {list(DEPTH_EDGES)}: refit it")
         maps = {s: _map_from(m) for s, m in d["maps"].items()}
         by_depth = {s: [_map_from(m) for m in ms] for s, ms in (d.get("by_depth") or {}).items()}
-        return cls(maps, d.get("fitted_on"), by_depth)
+        judges = {s: Judge(tuple(w)) for s, w in (d.get("judges") or {}).items()}
+        return cls(maps, d.get("fitted_on"), by_depth, judges)
 
 
 def observations(branch_records: Iterable[dict]) -> Dict[str, List[Tuple[float, bool, int]]]:
@@ -170,18 +193,75 @@ def observations(branch_records: Iterable[dict]) -> Dict[str, List[Tuple[float, 
     return out
 
 
+@dataclasses.dataclass
+class Judge:
+    """P(a token drafter's slot 0 accepted) = sigmoid(w0 + w1 * logit(p) + w2 * log(a)):
+    p its own slot-0 map's probability, a the learned drafter's probability of the token
+    (floored: a token outside a draft vocabulary has 0). `w` = (0, 1, 0) is the map
+    unchanged, which `fit_judge` shrinks toward."""
+    w: Tuple[float, float, float] = (0.0, 1.0, 0.0)
+
+    def __call__(self, p: float, agree: float) -> float:
+        z = sum(wi * xi for wi, xi in zip(self.w, judge_inputs(p, agree)))
+        return 1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, z))))
+
+
+AGREE_FLOOR = 1e-4
+
+
+def judge_inputs(p: float, agree: float) -> Tuple[float, float, float]:
+    p = min(max(p, 1e-3), 1 - 1e-3)
+    return 1.0, math.log(p / (1 - p)), math.log(max(agree, AGREE_FLOOR))
+
+
+def fit_judge(rows: Sequence[Tuple[float, float, bool]], ridge: float = 1.0, steps: int = 25) -> Judge:
+    """Logistic regression of accepted on `judge_inputs(p, agree)` for (p, agree,
+    accepted) rows, by Newton steps, with a ridge penalty toward the unchanged map
+    (w = (0, 1, 0)): with few rows the judge stays near what the map says."""
+    prior = torch.tensor(Judge().w, dtype=torch.float64)
+    x = torch.tensor([judge_inputs(p, a) for p, a, _ in rows], dtype=torch.float64).reshape(-1, 3)
+    y = torch.tensor([float(acc) for _, _, acc in rows], dtype=torch.float64)
+    w = prior.clone()
+    for _ in range(steps):
+        q = torch.sigmoid(x @ w)
+        grad = x.T @ (q - y) + ridge * (w - prior)
+        hess = (x.T * (q * (1 - q))) @ x + ridge * torch.eye(3, dtype=torch.float64)
+        step = torch.linalg.solve(hess, grad)
+        w = w - step
+        if float(step.abs().max()) < 1e-8:
+            break
+    return Judge(tuple(float(v) for v in w))
+
+
+def first_slot_judged(branch_records: Iterable[dict]) -> Dict[str, List[Tuple[float, float, bool]]]:
+    """(the learned drafter's probability of the first token, the feature, accepted) of
+    every token drafter's branch that carries one (`agree`)."""
+    out: Dict[str, List[Tuple[float, float, bool]]] = {}
+    for b in branch_records:
+        if b.get("agree") is not None and b["feats"]:
+            out.setdefault(b["source"], []).append((b["agree"], b["feats"][0], b["matched"] > 0))
+    return out
+
+
 def fit(branch_records: Iterable[dict], fitted_on: dict = None) -> Calibration:
     """A Calibration from the `branches` entries of tree rounds' records: per source
     the pooled map, and one per depth bin smoothed toward it (a bin with few slots
-    stays near the pooled estimate)."""
+    stays near the pooled estimate); per token source whose branches carry the learned
+    drafter's agreement, its slot-0 `Judge`."""
+    branch_records = list(branch_records)
     obs = observations(branch_records)
-    maps, by_depth = {}, {}
+    maps, by_depth, judges = {}, {}, {}
     for s, triples in obs.items():
         maps[s] = fit_map(s, [(x, y) for x, y, _ in triples])
         by_depth[s] = [fit_map(s, [(x, y) for x, y, k in triples if depth_bin(k) == d], prior=maps[s].p)
                        for d in range(len(DEPTH_EDGES) + 1)]
-    slots = {s: len(v) for s, v in obs.items()}
-    return Calibration(maps, {**(fitted_on or {}), "slots": slots}, by_depth)
+    judged = first_slot_judged(branch_records)
+    for s, rows in judged.items():
+        judges[s] = fit_judge([(by_depth[s][0](x), a, y) for a, x, y in rows])
+    fitted_on = {**(fitted_on or {}), "slots": {s: len(v) for s, v in obs.items()}}
+    if judged:
+        fitted_on["judged"] = {s: len(v) for s, v in judged.items()}
+    return Calibration(maps, fitted_on, by_depth, judges)
 
 
 def model_context(strength) -> str:

@@ -8,7 +8,10 @@ round either
   not even run when the token proposals -- or, without any, a plain target step --
   are worth more than its typical block (its draft cost counted) in validation rounds
   like this one (no token proposal, or a best one as weak or as strong), that block's
-  acceptance corrected by what this request has seen of it so far (`model_factor`);
+  acceptance corrected by what this request has seen of it so far (`model_factor`) --
+  unless the calibration judges the token proposals by it: then it runs whenever there
+  is one and the best is not a strong one, and each token proposal's first slot is
+  scored by how likely the learned drafter finds its first token (`calibration.Judge`);
 - `TreeHybrid`: every proposal (SuffixDecoding: every branch of its own tree) verified
   in one forward as a token tree (`dlite.decoding.tree`; the learned drafter joins by
   the same rule), the nodes kept within
@@ -27,8 +30,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from dlite.decoding.calibration import (MODEL_ALONE, MODEL_BESIDE, Calibration, CostCurve, model_context,
-                                        token_strength)
+from dlite.decoding.calibration import (MODEL_ALONE, MODEL_BESIDE, STRENGTH_EDGES, Calibration, CostCurve,
+                                        model_context, token_strength)
 from dlite.decoding.lookup import token_block
 from dlite.decoding.tree import Branch, branch_matches
 from dlite.models.common import recording_confidences
@@ -74,7 +77,7 @@ class _Proposers:
         # `typical` (its typical block's on as many slots) over every block it drafted.
         online = dict(hits=0.0, expected=0.0, sure=0.0, typical=0.0)
         return dict(seq=[lk.new_state() for lk in self.lookups], model=self.model.new_state(), source=[],
-                    online=online, pending=None, ran=False)
+                    online=online, pending=None, ran=False, first=None)
 
     def token_branches(self, state, anchor_id: int, anchor_pos: int, tree_nodes: int = 0) -> List[Branch]:
         """Every token drafter's proposal(s), each with its per-slot confidence features
@@ -109,12 +112,33 @@ class _Proposers:
             feats = [c["chosen"] for c in conf]
         state["online"]["sure"] += sum(self.calibration.slot_probs("model", feats))
         state["online"]["typical"] += sum(self.typical[: len(feats)])
+        state["first"] = conf.first
         return Branch(tokens.tolist(), q, "model", feats)
+
+    def judging(self, branches: Sequence[Branch]) -> bool:
+        """Whether the learned drafter must run to judge these token proposals: the
+        calibration scores some of their sources' first slot by its agreement, and the
+        best of them is not a strong one (`STRENGTH_EDGES`). A long sure copy is left
+        alone: judging every round cost the 4K-8K turns' copies 3.5% (modelled from the
+        rounds, stop 52) for verdicts that rarely changed them."""
+        tokens = [b for b in branches if b.source != "model"]
+        if not any(self.calibration.judged(b.source) for b in tokens):
+            return False
+        return token_strength(self.calibration, tokens) < STRENGTH_EDGES[-1]
+
+    def judge(self, state, branches: Sequence[Branch]) -> None:
+        """Each token proposal gets the learned drafter's probability of its first token
+        (`Branch.agree`), from the distribution of this round's draft (fixed before
+        anything was drawn, so choices that read it stay exact at T > 0)."""
+        first = state.get("first")
+        for b in branches:
+            if b.source != "model" and b.tokens and first is not None:
+                b.agree = float(first[b.tokens[0]])
 
     def slot_probs(self, br: Branch, state=None) -> List[float]:
         """Calibrated P(slot k accepted | the slots before it); the learned drafter's
         scaled by this request's `model_factor` (`state` given)."""
-        probs = self.calibration.slot_probs(br.source, br.feats)
+        probs = self.calibration.slot_probs(br.source, br.feats, br.agree)
         return self._corrected(probs, state) if br.source == "model" else probs
 
     def _corrected(self, probs: Sequence[float], state) -> List[float]:
@@ -203,14 +227,16 @@ class ChooseHybrid(_Proposers):
     def draft(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
               generator: Optional[torch.Generator] = None):
         self._observe_last(state, anchor_pos)
-        state["ran"], options = False, []
-        for br in self.token_branches(state, anchor_id, anchor_pos):
-            n, v = self.cost.best_prefix(self.slot_probs(br))
-            options.append((v, br, n))
-        # Skip the learned drafter (its draft time too) when it cannot win this round.
-        if self.model_worth_running(max((o[0] for o in options), default=None), state,
-                                    [o[1] for o in options]):
+        state["ran"], state["first"] = False, None
+        tokens = self.token_branches(state, anchor_id, anchor_pos)
+        options = [self._option(br) for br in tokens]
+        # Skip the learned drafter (its draft time too) when it cannot win this round
+        # and nothing is to be judged by it.
+        if self.judging(tokens) or self.model_worth_running(max((o[0] for o in options), default=None), state,
+                                                            tokens):
             br = self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator)
+            self.judge(state, tokens)
+            options = [self._option(b) for b in tokens]
             n, v = self.cost.best_prefix(self.slot_probs(br, state))
             options.append((v, br, min(n, len(br.tokens))))
         # Ties: the first listed (token drafters in their order, the learned one last);
@@ -223,6 +249,11 @@ class ChooseHybrid(_Proposers):
         if br.source == "model" and br.q is not None:
             return torch.tensor(br.tokens, dtype=torch.long), br.q, state
         return (*token_block(br.tokens, self.vocab_size, temperature), state)
+
+    def _option(self, br: Branch) -> tuple:
+        """(value, branch, prefix length) of a token proposal."""
+        n, v = self.cost.best_prefix(self.slot_probs(br))
+        return v, br, n
 
     def _observe_last(self, state, anchor_pos: int) -> None:
         """The last round's model block, if it was verified: the anchor moved past the
@@ -251,12 +282,14 @@ class TreeHybrid(_Proposers):
     def draft_tree(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
                    generator: Optional[torch.Generator] = None) -> tuple:
         branches = self.token_branches(state, anchor_id, anchor_pos, tree_nodes=self.budget)
-        sampled, state["ran"] = temperature > 0, False
-        # The learned drafter joins the tree only where it could add value: skipped
-        # when the token branches alone are worth more than any learned block could be.
+        sampled, state["ran"], state["first"] = temperature > 0, False, None
+        # The learned drafter joins the tree only where it could add value or must judge
+        # the token branches: skipped when they alone are worth more than any learned
+        # block could be.
         token_value = self._allocate(branches, sampled, state)[1] if branches else None
-        if self.model_worth_running(token_value, state, branches):
+        if self.judging(branches) or self.model_worth_running(token_value, state, branches):
             branches.append(self.model_branch(state, new_features, anchor_id, anchor_pos, temperature, generator))
+            self.judge(state, branches)
         keep, _ = self._allocate(branches, sampled, state)
         return [b.cut(k) for b, k in zip(branches, keep) if k], state
 
@@ -330,7 +363,8 @@ class TreeHybrid(_Proposers):
         srcs = {b.source for b, m in zip(branches, matched) if m == best}
         source = "none" if best == 0 else (srcs.pop() if len(srcs) == 1 else "shared")
         state["source"].append(source)
-        info = [{"source": b.source, "n": len(b.tokens), "matched": m, "feats": [round(x, 4) for x in b.feats]}
+        info = [{"source": b.source, "n": len(b.tokens), "matched": m, "feats": [round(x, 4) for x in b.feats],
+                 **({"agree": round(b.agree, 6)} if b.agree is not None else {})}
                 for b, m in zip(branches, matched)]
         return state, {"source": source, "branches": info, **self._online_info(state)}
 

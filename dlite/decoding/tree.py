@@ -34,14 +34,18 @@ from dlite.decoding.verify import process_logits, residual_distribution
 @dataclasses.dataclass
 class Branch:
     """One proposal: tokens, its draft distributions q [n, V] (None: deterministic, or
-    greedy), the proposer's name, and the per-slot features its calibration reads."""
+    greedy), the proposer's name, the per-slot features its calibration reads, and
+    (a token drafter's, once the learned drafter ran) the learned drafter's probability
+    of its first token."""
     tokens: List[int]
     q: Optional[torch.Tensor]
     source: str
     feats: List[float] = dataclasses.field(default_factory=list)
+    agree: Optional[float] = None
 
     def cut(self, n: int) -> "Branch":
-        return Branch(self.tokens[:n], None if self.q is None else self.q[:n], self.source, self.feats[:n])
+        return Branch(self.tokens[:n], None if self.q is None else self.q[:n], self.source, self.feats[:n],
+                      self.agree)
 
 
 @dataclasses.dataclass

@@ -289,12 +289,21 @@ def block_layout(batch: dict, gamma: int, mask_token_id: int) -> dict:
 _CONFIDENCES: contextvars.ContextVar = contextvars.ContextVar("dlite_draft_confidences", default=None)
 
 
+class Confidences(list):
+    """The slots' records, and `first`: the first slot's distribution softmax(logits) at
+    T = 1 whatever the temperature, spread over the target's vocabulary [V] (None until
+    a draft ran) -- what the drafter believes of any proposed first token, a number
+    fixed before anything is drawn."""
+    first: Optional[torch.Tensor] = None
+
+
 @contextlib.contextmanager
 def recording_confidences():
     """Collect, for every slot drafted inside, {"chosen": probability of the chosen token,
     "top": the slot distribution's largest probability} (softmax over the drafter's
-    vocabulary, at its temperature; T = 0: softmax(logits), and the two are equal)."""
-    slots: List[dict] = []
+    vocabulary, at its temperature; T = 0: softmax(logits), and the two are equal),
+    and the first slot's whole distribution (`Confidences.first`)."""
+    slots = Confidences()
     token = _CONFIDENCES.set(slots)
     try:
         yield slots
@@ -328,6 +337,8 @@ def sample_block(step, gamma: int, anchor_id: int, temperature: float, device, v
     record = _CONFIDENCES.get()
     for k in range(gamma):
         logits, state = step(k, prev, state)
+        if k == 0 and record is not None:  # before any stop: known even when nothing is kept
+            record.first = vocab.to_full(torch.softmax(logits.float(), -1).reshape(1, -1))[0]
         sure_needed = stop_prob > 0 or record is not None
         if temperature > 0:
             p = torch.softmax(logits.float() / temperature, dim=-1)

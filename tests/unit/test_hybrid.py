@@ -4,19 +4,22 @@ too), exact at T = 1 (chi-square), the choice following the calibrated value per
 of verification cost, the tree within its budget; the calibration's fit and cost curve;
 and the early-stop rule keeping a draw's distribution (no selection on the draw)."""
 
+import math
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from dlite.config_schema import EvalConfig
-from dlite.decoding.calibration import BinnedMap, Calibration, CostCurve, expected_accepted, fit, observations
+from dlite.decoding.calibration import (AGREE_FLOOR, BinnedMap, Calibration, CostCurve, Judge, expected_accepted,
+                                        fit, observations)
 from dlite.decoding.decode import plain_generate, speculative_generate
 from dlite.decoding.hybrid import ChooseHybrid, TreeHybrid
 from dlite.decoding.lookup import PromptLookupDrafter
 from dlite.decoding.methods import method_builders
 from dlite.decoding.suffix import SuffixDecoding, tree_paths
 from dlite.decoding.tree import Branch
-from dlite.models.common import sample_block
+from dlite.models.common import recording_confidences, sample_block
 from tests.unit.test_lookup import REPEAT, V
 
 TRAJ_IDS = [1, 2, 3]  # any prompt: building a drafter reads nothing from it
@@ -84,6 +87,67 @@ def test_calibration_conditions_on_the_slot_depth():
         Calibration.from_dict(bad)
 
 
+def test_calibration_judges_a_first_slot_by_the_learned_drafter():
+    """Half of these lookup blocks are right: the ones whose first token the learned
+    drafter believed. The match length cannot tell them apart; the judge does, at slot
+    0 only, and survives a round trip. Without an agreement (the drafter did not run),
+    slot 0 keeps its map by depth."""
+    recs = ([{"source": "lookup", "feats": [2.0] * 4, "matched": 4, "agree": 0.8}] * 30
+            + [{"source": "lookup", "feats": [2.0] * 4, "matched": 0, "agree": 0.02}] * 30
+            + [{"source": "model", "feats": [0.9] * 4, "matched": 1}] * 5)
+    cal = fit(recs)
+    assert cal.judged("lookup") and not cal.judged("model") and cal.fitted_on["judged"] == {"lookup": 60}
+    believed, doubted = cal.prob("lookup", 2.0, 0, agree=0.8), cal.prob("lookup", 2.0, 0, agree=0.02)
+    assert believed > 0.85 and doubted < 0.15 and doubted < cal.prob("lookup", 2.0, 0) < believed
+    assert cal.slot_probs("lookup", [2.0] * 4, 0.02)[1:] == cal.slot_probs("lookup", [2.0] * 4)[1:]
+    again = Calibration.from_dict(cal.to_dict())
+    assert again.prob("lookup", 2.0, 0, agree=0.02) == pytest.approx(doubted, abs=1e-4)
+    # Few judged blocks: the judge stays near the map (shrunk toward "unchanged").
+    few = fit(recs[:1] + recs[30:31])
+    assert abs(few.prob("lookup", 2.0, 0, agree=0.8) - few.prob("lookup", 2.0, 0)) < 0.15
+    assert Judge()(0.7, 0.01) == pytest.approx(0.7) and Judge()(0.7, 0.9) == pytest.approx(0.7)
+    assert not fit([{**recs[0], "agree": None}]).judged("lookup")
+
+
+def _judged(believed: float, doubted: float, rated: float = 0.6) -> Calibration:
+    """Lookup rated `rated` a slot on its match alone (0.6: a fair proposal, not a strong
+    one), and at slot 0 judged `believed` when the learned drafter gives its first token
+    1, `doubted` when it gives it nothing, log-linear in between."""
+    sure = BinnedMap((2, 3, 4, 5, 6, 8), [rated] * 7, [0] * 7)
+    lo, hi = (math.log(p / (1 - p)) for p in (doubted, believed))
+    w2 = (hi - lo) / -math.log(AGREE_FLOOR)
+    return Calibration({"lookup": sure, "model": BinnedMap((0.5,), [0.3, 0.3], [0, 0])},
+                       judges={"lookup": Judge((hi, 0.0, w2))})
+
+
+def test_the_choice_asks_the_learned_drafter_about_a_copy(model):
+    """Lookup's block [42, 8, 61, 7] is a fair proposal by its match. Judged by the
+    drafter, whatever its first distribution gives 42: the block is verified where the
+    judge trusts it, dropped for the drafter's own block or a plain step where it does
+    not; either way the drafter ran to judge it, and the branch carries the
+    probability it was judged by. A strong copy is not judged: the drafter, not worth
+    its draft time beside it, does not run."""
+    feats = torch.zeros(1, model.feature_dim)
+    with recording_confidences() as conf:
+        model.draft(model.new_state(), feats, 3, len(REPEAT), 0.0)
+    p42 = float(conf.first[42])
+    assert conf.first.shape == (V,) and float(conf.first.sum()) == pytest.approx(1.0, abs=1e-4)
+    trusted = _judged(0.99, 0.99)
+    hybrid = ChooseHybrid(model, _lookup(REPEAT), trusted)
+    tokens, _, state = hybrid.draft(hybrid.new_state(), feats, 3, len(REPEAT), 0.0)
+    assert state["source"] == ["lookup"] and tokens.tolist() == [42, 8, 61] and state["ran"]  # a prefix worth it
+    hybrid = ChooseHybrid(model, _lookup(REPEAT), _judged(0.01, 0.01))
+    tokens, _, state = hybrid.draft(hybrid.new_state(), feats, 3, len(REPEAT), 0.0)
+    assert state["source"] in (["model"], ["none"]) and state["ran"]
+    tree = TreeHybrid(model, _lookup(REPEAT), trusted)
+    branches, _ = tree.draft_tree(tree.new_state(), feats, 3, len(REPEAT), 0.0)
+    looked = [b for b in branches if b.source == "lookup"]
+    assert looked and looked[0].agree == pytest.approx(p42)
+    hybrid = ChooseHybrid(model, _lookup(REPEAT), _judged(0.01, 0.01, rated=0.99))
+    tokens, _, state = hybrid.draft(hybrid.new_state(), feats, 3, len(REPEAT), 0.0)
+    assert state["source"] == ["lookup"] and tokens.tolist() == [42, 8, 61, 7] and not state["ran"]
+
+
 @pytest.mark.parametrize("kind", ["choose", "tree"])
 def test_hybrids_are_lossless_with_prompt_lookup(target, model, kind):
     ref, _ = plain_generate(target, REPEAT, 30)
@@ -102,6 +166,10 @@ def test_hybrids_are_lossless_with_prompt_lookup(target, model, kind):
         tree = TreeHybrid(model, _lookup(REPEAT), rated, CostCurve((1,), (1.0,)), online_prior=None)
         out, rounds = speculative_generate(target, tree, REPEAT, 30)
         assert out == ref and any(len(r["branches"]) == 2 for r in rounds)
+    # Judged by the learned drafter (which then runs whenever lookup proposes): lossless.
+    for judged in (_judged(0.99, 0.5), _judged(0.5, 0.01)):
+        out, rounds = speculative_generate(target, make(model, _lookup(REPEAT), judged), REPEAT, 30)
+        assert out == ref
 
 
 @pytest.mark.parametrize("kind", ["choose", "tree"])
@@ -202,6 +270,10 @@ def test_hybrids_sample_exactly(kind, tokens):
     rated = Calibration({"model": BinnedMap((0.0,), [0.55, 0.55], [0, 0])})
     hybrid = make(drafter_model, token_drafters(), rated)
     assert min(_pvalues(tm, hybrid, prompt, vocab)) > 1e-3
+    # Token proposals judged by the drafter's first distribution (fixed before its draw):
+    # which block is verified depends on it, and sampling stays exact.
+    judged = Calibration(rated.maps, judges={s: Judge((1.0, 0.5, 0.5)) for s in ("lookup", "suffix")})
+    assert min(_pvalues(tm, make(drafter_model, token_drafters(), judged), prompt, vocab)) > 1e-3
     _, rounds = speculative_generate(tm, make(drafter_model, token_drafters(), rated, online_prior=None), prompt, 12,
                                      temperature=1.0, generator=torch.Generator().manual_seed(0))
     used = {b["source"] for r in rounds for b in r["branches"]} if kind == "tree" else {r["source"] for r in rounds}
@@ -298,8 +370,10 @@ def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     recs = branch_records(raw)
     assert len(recs) == sum(map(len, rounds)) + with_model and sum(b["source"] == "model_alone" for b in recs) == alone
     assert sum(b["source"].startswith("model_beside_") for b in recs) == with_model - alone
-    # The calibration's own replay (the drafter in every round) fitted it beside lookup.
+    # The calibration's own replay (the drafter in every round) fitted it beside lookup,
+    # and judged every lookup block by it.
     assert any(s.startswith("model_beside_") for s in cal["fitted_on"]["slots"])
+    assert list(cal["judges"]) == ["lookup"] and cal["fitted_on"]["judged"]["lookup"] > 0
     # The cost curve was measured on this target, one point per size, never decreasing,
     # and the hybrids price verification by it.
     cost = cal["cost"]
