@@ -206,10 +206,13 @@ class Judge:
         return 1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, z))))
 
 
+# The smallest agreement a judge reads: a token outside the drafter's draft vocabulary
+# gets probability 0, whose log the judge cannot take.
 AGREE_FLOOR = 1e-4
 
 
 def judge_inputs(p: float, agree: float) -> Tuple[float, float, float]:
+    """(1, logit(p), log(agree)), both clamped away from 0 and 1."""
     p = min(max(p, 1e-3), 1 - 1e-3)
     return 1.0, math.log(p / (1 - p)), math.log(max(agree, AGREE_FLOOR))
 
