@@ -337,8 +337,6 @@ def sample_block(step, gamma: int, anchor_id: int, temperature: float, device, v
     record = _CONFIDENCES.get()
     for k in range(gamma):
         logits, state = step(k, prev, state)
-        if k == 0 and record is not None:  # before any stop: known even when nothing is kept
-            record.first = vocab.to_full(torch.softmax(logits.float(), -1).reshape(1, -1))[0]
         sure_needed = stop_prob > 0 or record is not None
         if temperature > 0:
             p = torch.softmax(logits.float() / temperature, dim=-1)
@@ -346,6 +344,9 @@ def sample_block(step, gamma: int, anchor_id: int, temperature: float, device, v
         else:
             idx = logits.argmax(-1, keepdim=True)
             p = torch.softmax(logits.float(), -1) if sure_needed else None
+        if k == 0 and record is not None:  # before any stop: known even when nothing is kept
+            first = p if temperature <= 0 else torch.softmax(logits.float(), -1)  # T = 1 either way
+            record.first = vocab.to_full(first.reshape(1, -1))[0]
         if sure_needed:
             top, chosen = float(p.max()), float(p[idx])
             if stop_prob > 0 and sure * top < stop_prob:
