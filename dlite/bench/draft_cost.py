@@ -90,7 +90,7 @@ class _TargetStep:
 
     def __init__(self, target_config, lengths, device, dtype):
         from transformers import AutoModelForCausalLM
-        from dlite.decoding.decode import new_cache, target_forward
+        from dlite.decoding.decode import loop_cache, new_cache, target_forward
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_config(target_config).to(device, dtype).eval()
         self.forward, self.caches, self.dev = target_forward, {}, device
@@ -100,6 +100,8 @@ class _TargetStep:
                 self.caches[L] = new_cache(self.model)
                 target_forward(self.model, torch.randint(0, V, (L,), device=device), 0,
                                self.caches[L], logits_to_keep=1)
+                # decoded as the loops decode: in place, no copy of the history per step
+                self.caches[L] = loop_cache(self.caches[L], 1, copy_of=False)
 
     @torch.no_grad()
     def step(self, L: int) -> None:

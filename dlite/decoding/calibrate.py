@@ -126,12 +126,13 @@ def forward_rounds(model, context: int, sizes: Sequence[int], reps: int = 3, see
     prefill are slower (allocator, caches), which used to inflate the one-token time
     and flatten the whole curve. Interleaving the sizes inside a round means a drift of
     the machine's speed hits every size of that round alike instead of one size."""
-    from dlite.decoding.decode import crop_cache, new_cache, target_forward
+    from dlite.decoding.decode import crop_cache, loop_cache, new_cache, target_forward
     dev = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (context + max(sizes),), generator=gen).to(dev)
     cache = new_cache(model)
     target_forward(model, ids[:context], 0, cache, logits_to_keep=1)
+    cache = loop_cache(cache, max(sizes), copy_of=False)  # the loops' cache: no per-forward copy
     rounds = []
     for r in range(reps + 1):
         times = {}

@@ -50,6 +50,9 @@ if TYPE_CHECKING:  # annotations only: the import itself happens in new_cache
     from transformers import DynamicCache
 
 
+ROOM = 64  # positions reserved beyond max_new_tokens: a round's block or tree
+
+
 @functools.lru_cache(maxsize=None)
 def _cache_kwarg(model_cls) -> str:
     params = inspect.signature(model_cls.forward).parameters
@@ -141,8 +144,9 @@ class Prefill:
     t: int
     ms: float
 
-    def fresh_cache(self) -> DynamicCache:
-        return copy.deepcopy(self.cache)
+    def fresh_cache(self, room: int = 0) -> DynamicCache:
+        """A copy of the cache for one loop, with room for `room` more positions."""
+        return loop_cache(self.cache, room, copy_of=True)
 
     def features(self, layer_ids: Sequence[int], needs_history: bool) -> torch.Tensor:
         """What a drafter reading `layer_ids` starts from: every position for a drafter
@@ -158,6 +162,17 @@ class Prefill:
         f = torch.cat([self.feats[:, j * width:(j + 1) * width]
                        for j in map(self.layer_ids.index, layer_ids)], dim=-1)
         return f if needs_history else f[-1:]
+
+
+def loop_cache(cache: DynamicCache, room: int, copy_of: bool) -> DynamicCache:
+    """The cache a loop decodes into: a prefill's `cache` (a copy when `copy_of`), with
+    room for `room` more positions written in place (`dlite.decoding.slack`: no step
+    copies the history, in the plain loop as in the speculative ones). A target's own
+    kind of cache (`new_cache()`, where transformers may not be installed) is kept."""
+    if not type(cache).__module__.startswith("transformers"):
+        return copy.deepcopy(cache) if copy_of else cache
+    from dlite.decoding.slack import with_room
+    return with_room(cache, room, copy_of)
 
 
 @torch.inference_mode()
@@ -251,7 +266,7 @@ def speculative_generate(target, drafter, prompt_ids, max_new_tokens: int, tempe
     layers, history = drafter.target_layer_ids, drafter.needs_history
     pre = prefilled or prefill(target, prompt_ids, layers, history)
     with LayerCapture(target, layers) as cap:
-        cache = pre.fresh_cache() if prefilled is not None else pre.cache  # its own: no copy
+        cache = loop_cache(pre.cache, max_new_tokens + ROOM, copy_of=prefilled is not None)
         feats = pre.features(layers, history)
         t, anchor, state = pre.t, sample_token(pre.logits, **sampling), _new_state(drafter, prompt_ids)
         done = _extend(out, [anchor], eos, max_new_tokens)
@@ -287,7 +302,7 @@ def plain_generate(target, prompt_ids, max_new_tokens: int, temperature: float =
         return out, timing
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
     pre = prefilled or prefill(target, prompt_ids)
-    cache = pre.fresh_cache() if prefilled is not None else pre.cache  # its own: no copy
+    cache = loop_cache(pre.cache, max_new_tokens + ROOM, copy_of=prefilled is not None)
     tok = sample_token(pre.logits, **sampling)
     t1 = time.perf_counter()
     done, t = _extend(out, [tok], eos, max_new_tokens), pre.t

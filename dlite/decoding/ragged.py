@@ -23,7 +23,7 @@ Rows with no request left are removed (`drop_rows`), so a draining batch shrinks
 serving engine's does.
 
 Works on transformers' DynamicCache (`layers[i].keys/values` [B, H, L, D]), whose
-full-attention layers are swapped for `SlackLayer`s: DynamicLayer appends by
+full-attention layers are swapped for `SlackLayer`s (`dlite.decoding.slack`): DynamicLayer appends by
 concatenation, which copies the whole cache on every forward (8 rows x 8K tokens of
 SmolLM2 in fp32: 3 GB per decoding step, most of a batched plain step on 2 cores), a
 cost no paged serving engine has and one that would flatter speculation (fewer
@@ -33,84 +33,8 @@ layers is refused with a clear error."""
 from typing import List, Sequence
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
-from dlite.decoding.decode import new_cache
-
-SLACK = 64  # spare slots per reallocation beyond 1.25x: a round appends gamma + 1
-
-
-class SlackLayer(DynamicLayer):
-    """A DynamicLayer whose keys / values are views of buffers with spare room (rows and
-    slots), so a forward writes its new slots in place, a cut is a view, and dropping
-    the last rows is a view. Anything that replaces the tensors (a gather, growth past
-    the room) is adopted into a new buffer at the next update: one copy then, none per
-    forward. Slots a view newly exposes are zeroed (`widen`): padding must be finite,
-    masked or not, or a masked score of NaN would poison the softmax."""
-
-    _kbuf = _vbuf = None
-
-    def _owns(self, rows: int, need: int) -> bool:
-        k, kb = self.keys, self._kbuf
-        return kb is not None and k.data_ptr() == kb.data_ptr() and rows <= kb.shape[0] and need <= kb.shape[-2]
-
-    def _adopt(self, need: int, cap: int = 0) -> None:
-        k, v, n = self.keys, self.values, self.keys.shape[-2]
-        cap = max(cap, need) if cap else max(need + SLACK, int(need * 1.25))
-        self._kbuf = k.new_empty(*k.shape[:2], cap, k.shape[3])
-        self._vbuf = v.new_empty(*v.shape[:2], cap, v.shape[3])
-        self._kbuf[..., :n, :], self._vbuf[..., :n, :] = k, v
-        self._view(k.shape[0], n)
-
-    def _view(self, rows: int, n: int) -> None:
-        self.keys, self.values = self._kbuf[:rows, :, :n], self._vbuf[:rows, :, :n]
-
-    def reserve(self, cap: int) -> None:
-        """Room for `cap` slots per row from now on (one allocation, no copy later)."""
-        if not self._owns(self.keys.shape[0], cap):
-            self._adopt(cap, cap)
-
-    def widen(self, length: int) -> None:
-        """`length` slots per row; the new ones zeroed (padding)."""
-        rows, n = self.keys.shape[0], self.keys.shape[-2]
-        if not self._owns(rows, length):
-            self._adopt(length)
-        self._kbuf[:rows, :, n:length].zero_()
-        self._vbuf[:rows, :, n:length].zero_()
-        self._view(rows, length)
-
-    def first_rows(self, rows: int) -> None:
-        """Keep rows 0..rows-1 (a view when the buffer is ours)."""
-        if self._owns(self.keys.shape[0], self.keys.shape[-2]):
-            self._view(rows, self.keys.shape[-2])
-        else:
-            self.keys, self.values = self.keys[:rows], self.values[:rows]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized or self.keys.dim() != 4:
-            self.lazy_initialization(key_states, value_states)
-            shape = (*key_states.shape[:2], 0, key_states.shape[3])
-            self.keys, self.values = key_states.new_zeros(shape), value_states.new_zeros(shape)
-        rows, n, m = key_states.shape[0], self.keys.shape[-2], key_states.shape[-2]
-        if not self._owns(rows, n + m):
-            self._adopt(n + m)
-        self._kbuf[:rows, :, n:n + m], self._vbuf[:rows, :, n:n + m] = key_states, value_states
-        self._view(rows, n + m)
-        return self.keys, self.values
-
-
-def _slack_cache(target):
-    """An empty DynamicCache of `SlackLayer`s (full-attention layers only)."""
-    cache = new_cache(target)
-    layers = getattr(cache, "layers", None)
-    if layers is None or any(type(la) is not DynamicLayer for la in layers):
-        kinds = sorted({type(la).__name__ for la in layers or []}) or [type(cache).__name__]
-        raise TypeError(f"batched decoding needs a DynamicCache of full-attention layers, got {kinds}")
-    cache.layers = [SlackLayer() for _ in layers]
-    if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:  # layers made on first use
-        cache.layer_class_to_replicate = SlackLayer
-    return cache
-
+from dlite.decoding.slack import slack_cache
 
 def _layers(cache) -> list:
     layers = getattr(cache, "layers", None)
@@ -125,7 +49,7 @@ class RaggedCache:
     def __init__(self, target, rows: int, reserve: int = 0):
         """`reserve`: slots per row to allocate at once (the longest prompt + new tokens
         + a block), so the cache never reallocates (a reallocation copies every row)."""
-        self.cache, self.lengths = _slack_cache(target), [0] * rows
+        self.cache, self.lengths = slack_cache(target), [0] * rows
         self.reserve, self.per_slot, self._ready = reserve, 0, False
 
     @property
