@@ -1,6 +1,7 @@
 """Few-row linear layers (`dlite.few_rows`): the same products as `F.linear` for every
-row count on either side of the switch, with and without bias; a target routed through
-them decodes the same greedy text, and speculative decoding over it stays lossless."""
+row count on either side of the switch, with and without bias, contiguous rows out of
+any layout in; a target routed through them decodes the same greedy text, and
+speculative decoding over it stays lossless."""
 
 import pytest
 import torch
@@ -20,6 +21,20 @@ def test_same_products_as_f_linear(rows, bias):
     out = few_rows.few_rows_linear(x, w, b)
     assert out.shape == (1, rows, 300)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_rows_come_out_contiguous_whatever_goes_in(rows):
+    """A transposed view as input (what act(gate) * up would be, were the products it
+    multiplies views) gives the same product, and the result is contiguous: W @ x.T over
+    a transposed view is several times slower, so no layer may hand one to the next."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(300, 64, generator=g), torch.randn(64, rows, generator=g).T
+    out = few_rows.few_rows_linear(x, w)
+    assert out.is_contiguous() and (rows == 1 or not x.is_contiguous())
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    twice = few_rows.few_rows_linear(torch.nn.functional.silu(out) * out, torch.randn(7, 300, generator=g))
+    assert twice.is_contiguous()
 
 
 def test_other_dtypes_keep_f_linear():
