@@ -78,9 +78,9 @@ class SlackLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def _plain_layers(cache) -> bool:
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(la) is DynamicLayer and la.is_initialized for la in layers)
+def _full_attention(layers) -> bool:
+    """Only transformers' plain DynamicLayers (no sliding windows, no other kinds)."""
+    return layers is not None and all(type(la) is DynamicLayer for la in layers)
 
 
 def slack_cache(target):
@@ -88,7 +88,7 @@ def slack_cache(target):
     from dlite.decoding.decode import new_cache
     cache = new_cache(target)
     layers = getattr(cache, "layers", None)
-    if layers is None or any(type(la) is not DynamicLayer for la in layers):
+    if not _full_attention(layers):
         kinds = sorted({type(la).__name__ for la in layers or []}) or [type(cache).__name__]
         raise TypeError(f"batched decoding needs a DynamicCache of full-attention layers, got {kinds}")
     cache.layers = [SlackLayer() for _ in layers]
@@ -103,7 +103,8 @@ def with_room(cache, room: int, copy_of: bool = True):
     written), else `cache` itself with its layers replaced (one copy either way, then
     none per forward). Anything but a filled DynamicCache of full-attention layers comes
     back as it was (a copy of it when `copy_of`)."""
-    if not _plain_layers(cache):
+    layers = getattr(cache, "layers", None)
+    if not (layers and _full_attention(layers) and all(la.is_initialized for la in layers)):
         return copy.deepcopy(cache) if copy_of else cache
     out = copy.copy(cache) if copy_of else cache
     layers = []
