@@ -168,8 +168,13 @@ def _chunk(z, targets, coefs, ref, grad, i: int, j: int, ref_labels: bool):
         if grad is not None:
             c_ce, c_l1, c_kl = (c[i:j] for c in coefs)
             grad[i:j] = torch.autograd.grad((c_ce * ce + c_l1 * l1 + c_kl * kl).sum(), zc)[0]
+    # What a greedy replay accepts: the drafter's argmax is the target's, and no token
+    # outside a draft vocabulary outweighs it (p_ref is not renormalised there, so its
+    # missing mass bounds them); with the drafter's top probability for the stop rule.
+    q_top, greedy = p_ref.max(-1)
+    top, mine = p.detach().max(-1)
     return (ce.detach(), l1.detach(), kl.detach(), torch.minimum(p.detach(), p_ref).sum(-1),
-            zc.detach().argmax(-1) == t)
+            zc.detach().argmax(-1) == t, (mine == greedy) & (q_top > 1 - p_ref.sum(-1)), top)
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -177,17 +182,18 @@ class _ChunkedLoss(torch.autograd.Function):
     chunk's gradient is taken in forward, with autograd over the same ops as the one-shot
     loss, into one buffer like z that backward returns (scaled): nothing [rows, V] outlives
     its chunk and nothing is recomputed. Also returns per-row CE, L1, KL, acceptance
-    sum_x min(p, p_ref) and argmax hit, without gradient."""
+    sum_x min(p, p_ref), argmax hit, greedy-replay hit and the drafter's top
+    probability, without gradient."""
 
     @staticmethod
     def forward(ctx, z, targets, coefs, ref, chunk_rows, need_grad, ref_labels):
         grad = torch.empty_like(z) if need_grad else None
         out = [_chunk(z, targets, coefs, ref, grad, i, i + chunk_rows, ref_labels)
                for i in range(0, z.shape[0], chunk_rows)]
-        ce, l1, kl, accept, hit = (torch.cat(t) for t in zip(*out))
+        ce, l1, kl, accept, hit, greedy, top = (torch.cat(t) for t in zip(*out))
         ctx.grad = grad
-        ctx.mark_non_differentiable(ce, l1, kl, accept, hit)
-        return sum((c * x).sum() for c, x in zip(coefs, (ce, l1, kl))), ce, l1, kl, accept, hit
+        ctx.mark_non_differentiable(ce, l1, kl, accept, hit, greedy, top)
+        return sum((c * x).sum() for c, x in zip(coefs, (ce, l1, kl))), ce, l1, kl, accept, hit, greedy, top
 
     @staticmethod
     def backward(ctx, g_loss, *_):
@@ -200,7 +206,7 @@ class _ChunkedLoss(torch.autograd.Function):
 def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, p_ref,
                ce_weight: float = 0.1, l1_weight: float = 0.9, decay: Optional[float] = 4.0,
                ce_valid: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None,
-               kl_weight: float = 0.0, ref_labels: bool = False):
+               kl_weight: float = 0.0, ref_labels: bool = False, greedy_stop: Optional[float] = None):
     """loss = sum_k w_k (ce_w * CE(logits_k, x*_k) + l1_w * |softmax(logits_k) - p_ref_k|_1
     + kl_w * KL(p_ref_k || softmax(logits_k))) / sum_k w_k, over valid slots only (a
     weighted mean: invalid slots drop out of both sums, so a block cut short by the
@@ -212,7 +218,8 @@ def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
     limits the CE term to slots whose data token the drafter can emit: with a draft
     vocabulary a token outside it has no logit (targets -1 there), so it is not
     learnable; the L1 term still counts on every valid slot. `ref_labels`: CE's label is
-    p_ref's argmax (the target's greedy token) instead of `targets`. `chunk_rows`: slot
+    p_ref's argmax (the target's greedy token) instead of `targets`. `greedy_stop` (a stop
+    probability): also `greedy_replay`'s block-exact greedy acceptance. `chunk_rows`: slot
     rows per chunk (default `chunk_rows_for` the widest of N and the reference's width).
     Returns (loss, metrics) with per-slot loss / CE / L1 / KL / accuracy and the teacher-forced
     acceptance estimate sum_x min(p_draft, p_ref) per slot, and tau_est from it."""
@@ -226,13 +233,29 @@ def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
     scale = (w / w.sum().clamp_min(1e-12)).reshape(-1)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     coefs = (ce_weight * ce_on.reshape(-1) * scale, l1_weight * scale, kl_weight * scale)
-    loss, ce, l1, kl, accept, hit = _ChunkedLoss.apply(
+    loss, ce, l1, kl, accept, hit, greedy, top = _ChunkedLoss.apply(
         logits.reshape(-1, N), targets.reshape(-1), coefs, ref,
         chunk_rows or chunk_rows_for(max(N, ref.width)), need_grad, ref_labels)
     ce, l1, kl = ce.view(-1, g) * ce_on, l1.view(-1, g), kl.view(-1, g)
     per_slot = ce_weight * ce + l1_weight * l1 + kl_weight * kl     # [rows / g, g]
     m = _metrics(loss, per_slot, ce, l1, accept.view(-1, g), hit.view(-1, g), valid, ce_on, kl)
+    if greedy_stop is not None:
+        m.update(greedy_replay(greedy.view(-1, g), top.view(-1, g), valid, greedy_stop))
     return loss, {**m, "loss_weight": float(w.sum())}  # what pools `loss` over batches
+
+
+@torch.no_grad()
+def greedy_replay(greedy_hit: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, stop_prob: float) -> dict:
+    """What a greedy replay would accept of each block, teacher forced (the evaluation's
+    tau counts these plus the bonus token; `tau_est` is a pooled soft estimate): slot k
+    counts when the drafter's argmax is the target's greedy token and every earlier slot
+    counted, and the block ends where the drafter's stop rule cuts it (`sample_rows`;
+    greedy: the running product of its top probabilities below `stop_prob`). Inputs
+    [blocks, g]; returns the sum over blocks whose first slot is valid and their count,
+    which pool over batches."""
+    kept = (greedy_hit & valid.bool() & (top.cumprod(-1) >= stop_prob)).long().cumprod(-1).sum(-1)
+    first = valid[:, 0].bool()
+    return {"greedy_accepted": float(kept[first].sum()), "greedy_blocks": int(first.sum())}
 
 
 def dlite_loss_unchunked(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,

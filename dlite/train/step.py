@@ -75,7 +75,8 @@ class LossSpec:
 
 
 def compute_loss(model, batch: dict, teacher=None, spec: LossSpec = LossSpec(),
-                 teacher_share: float = 1.0, chunk_rows=None) -> tuple[torch.Tensor, dict]:
+                 teacher_share: float = 1.0, chunk_rows=None,
+                 greedy_stop: Optional[float] = None) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) for a batch dict: input_ids [B,L], features [B,L,F], anchors [B,A],
     optional loss_mask [B,L], anchor_mask [B,A], seq_ids [B,L], and the reference
     (`ref_hidden` [B,L,H] or `topk_ids`/`topk_logprobs` [B,L,k]; per block, `*_blocks`
@@ -84,7 +85,9 @@ def compute_loss(model, batch: dict, teacher=None, spec: LossSpec = LossSpec(),
     the target): 1 = stage 1 alone, in between = the blend (both on the same logits).
     With a draft vocabulary, data tokens outside it are left out of the CE term and
     counted (`oov_slots`, `oov_share` of valid slots). The loss runs over `chunk_rows`
-    slot rows at a time (default: `dlite.losses.chunk_rows_for` the target vocabulary)."""
+    slot rows at a time (default: `dlite.losses.chunk_rows_for` the target vocabulary).
+    `greedy_stop`: also the greedy replay's acceptance against the target at that stop
+    probability (`dlite.losses.greedy_replay`)."""
     anchors, gamma, vocab = batch["anchors"], model.gamma, model.vocab
     if any(k.endswith("_blocks") for k in batch) and (teacher is not None or model.needs_history):
         raise ValueError("an `anchors`-storage batch has features at its anchors only: it trains "
@@ -102,7 +105,7 @@ def compute_loss(model, batch: dict, teacher=None, spec: LossSpec = LossSpec(),
     if share < 1:  # stage 2: the target
         ref = reference_rows(batch, anchors, gamma, vocab)
         loss2, m = dlite_loss(logits, targets, valid, ref, spec.ce_weight, spec.tv_weight, spec.loss_decay,
-                              ce_valid, chunk_rows, ref_labels=spec.ce_target_argmax)
+                              ce_valid, chunk_rows, ref_labels=spec.ce_target_argmax, greedy_stop=greedy_stop)
         loss = (1 - share) * loss2
     if share > 0:  # stage 1: the teacher
         ref = reference_rows(batch, anchors, gamma, vocab, teacher)
@@ -119,17 +122,22 @@ def compute_loss(model, batch: dict, teacher=None, spec: LossSpec = LossSpec(),
 
 
 @torch.no_grad()
-def validate(model, batches) -> dict:
+def validate(model, batches, stop_prob: float = 0.0) -> dict:
     """Teacher-forced validation against the target over fixed batches (stored anchors):
     `val_loss`, per-slot `val_accept_at_k_j` and `val_tau` = expected accepted length
     built from them -- exactly the one-batch `tau_est` / loss of all batches together:
     slot k's acceptance pooled by its valid count, the loss by its position weights;
     with a draft vocabulary also `val_oov_share` (valid slots whose data token lies
-    outside it)."""
+    outside it). `val_tau_greedy`: the mean accepted length of a greedy replay of the
+    same blocks, each cut by the evaluation's stop rule at `stop_prob`
+    (`eval.draft_stop_prob`) -- the in-training figure of what the evaluation's greedy
+    tau measures, where `val_tau` is a soft (T = 1) estimate of full blocks."""
     was_training, model = model.training, model.eval()
     w_sum, loss_sum, slots, accept, n_at_k, oov = 0.0, 0.0, 0, None, None, 0
+    greedy, blocks = 0.0, 0
     for batch in batches:
-        _, m = compute_loss(model, batch)
+        _, m = compute_loss(model, batch, greedy_stop=stop_prob)
+        greedy, blocks = greedy + m["greedy_accepted"], blocks + m["greedy_blocks"]
         loss_sum, w_sum = loss_sum + m["loss"] * m["loss_weight"], w_sum + m["loss_weight"]
         slots, oov = slots + m["valid_slots"], oov + m.get("oov_slots", 0)
         n = torch.tensor(m["valid_at_k"], dtype=torch.float64)
@@ -141,5 +149,5 @@ def validate(model, batches) -> dict:
     accept = (accept / n_at_k.clamp_min(1)).tolist()
     tau = expected_tau(accept)
     extra = {} if model.vocab.draft_ids is None else {"val_oov_share": oov / slots}
-    return {"val_loss": loss_sum / w_sum, "val_tau": tau, **extra,
+    return {"val_loss": loss_sum / w_sum, "val_tau": tau, "val_tau_greedy": 1 + greedy / max(1, blocks), **extra,
             **{f"val_accept_at_k_{i + 1}": a for i, a in enumerate(accept)}}

@@ -51,21 +51,31 @@ def _loss_plot(cfg, home: Path, results: Dict[str, dict]):
     return plots.loss_curves_plot(curves, home / "loss_curves.png")
 
 
-def val_vs_heldout(best_val_tau: Dict[str, Optional[float]], heldout_tau: Dict[str, Optional[float]]) -> dict:
+def val_vs_heldout(best_val_tau: Dict[str, Optional[float]], heldout_tau: Dict[str, Optional[float]],
+                   best_val_tau_greedy: Optional[Dict[str, Optional[float]]] = None) -> dict:
     """Per learned method: the in-training estimate (best teacher-forced `val_tau` on the
     validation rows, by stage) next to the held-out greedy tau (by method), their ratio,
     and whether they agree within 10% -- the number users early-stop on must predict
-    the real one."""
+    the real one. With `best_val_tau_greedy` (the same checkpoint's greedy replay of the
+    validation blocks under the evaluation's stop rule, `dlite.train.step.validate`) its
+    ratio too, where the stage recorded one."""
     from pipelines.orchestration.dag import METHODS
     out = {}
     for stage, name in METHODS.items():
         val, tau = best_val_tau.get(stage), heldout_tau.get(name)
         if val is None or tau is None:
             continue
-        r = round(val / tau, 4) if tau else None
-        out[name] = {"val_tau": val, "heldout_tau": tau, "val_over_heldout": r,
-                     "within_10pct": None if r is None else abs(r - 1) <= 0.10}
+        out[name] = {"val_tau": val, "heldout_tau": tau, **_ratio("val", val, tau)}
+        greedy = (best_val_tau_greedy or {}).get(stage)
+        if greedy is not None:
+            out[name].update({"val_tau_greedy": greedy, **_ratio("greedy", greedy, tau)})
     return out
+
+
+def _ratio(what: str, val: float, tau: float) -> dict:
+    r = round(val / tau, 4) if tau else None
+    key = "within_10pct" if what == "val" else f"{what}_within_10pct"
+    return {f"{what}_over_heldout": r, key: None if r is None else abs(r - 1) <= 0.10}
 
 
 def finish(cfg, home: Path, parent_run_id: str, stages: List, results: Dict[str, dict], seconds: float) -> dict:
@@ -77,7 +87,8 @@ def finish(cfg, home: Path, parent_run_id: str, stages: List, results: Dict[str,
                "results": results,
                "val_vs_heldout": val_vs_heldout({s: r.get("best_val_tau") for s, r in results.items()},
                                                 {n: m.get("tau") for n, m in
-                                                 (results.get("evaluate") or {}).get("methods", {}).items()})}
+                                                 (results.get("evaluate") or {}).get("methods", {}).items()},
+                                                {s: r.get("best_val_tau_greedy") for s, r in results.items()})}
     (home / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     tracking.log_metrics(uri, parent_run_id, 0, {**_parent_metrics(results), "pipeline.seconds": seconds})
     tracking.set_tags(uri, parent_run_id, {f"dlite.stage_dir.{s.name}": s.dir for s in stages})

@@ -204,7 +204,7 @@ def _worker(conf: dict) -> None:
     print(f"[train] rank {hooks.rank}/{world}: {plan.stage} ready in {time.time() - t0:.1f}s, "
           f"from step {start['step']} of {plan.steps} ({torch.get_num_threads()} threads)", flush=True)
     train_loop(engine, stream, st.loop_config(cfg, plan), start["step"], teacher,
-               validate=lambda model: validate(model, val), log=hooks.log,
+               validate=lambda model: validate(model, val, cfg.eval.draft_stop_prob), log=hooks.log,
                checkpoint=hooks.checkpoint, best=start["best"])
 
 

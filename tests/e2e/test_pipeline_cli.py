@@ -73,6 +73,9 @@ def test_pipeline_runs_every_stage(pipeline_run, mlflow_server):
         v = s["val_vs_heldout"][name]
         assert v["val_tau"] == s["results"][stage]["best_val_tau"] and v["heldout_tau"] == ev["methods"][name]["tau"]
         assert v["val_over_heldout"] == round(v["val_tau"] / v["heldout_tau"], 4)
+        # The same checkpoint's greedy replay of the validation blocks (the eval's stop rule).
+        assert v["val_tau_greedy"] == s["results"][stage]["best_val_tau_greedy"] and 1 <= v["val_tau_greedy"] <= 8
+        assert v["greedy_over_heldout"] == round(v["val_tau_greedy"] / v["heldout_tau"], 4)
     assert "plain decoding" in first.stdout and "MLflow run: http://" in first.stdout
     assert s["results"]["publish"]["version"]
 

@@ -112,6 +112,33 @@ def test_perfect_draft_has_zero_l1_and_full_acceptance():
     assert abs(metrics["tau_est"] - 5.0) < 1e-4
 
 
+def test_greedy_replay_counts_leading_hits_inside_the_stop_rule():
+    """Block-exact greedy acceptance: leading hits only, cut where the running product of
+    the drafter's top probabilities falls below the stop probability; an invalid slot
+    ends the run, a block whose first slot is invalid is not a block."""
+    hit = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]).bool()
+    top = torch.full((5, 4), 0.9)
+    valid = torch.ones(5, 4, dtype=torch.bool)
+    valid[3, 2], valid[4, 0] = False, False
+    assert losses.greedy_replay(hit, top, valid, 0.0) == {"greedy_accepted": 2 + 4 + 0 + 2.0, "greedy_blocks": 4}
+    # 0.9, 0.81, 0.729: two slots survive a stop probability of 0.75
+    assert losses.greedy_replay(hit, top, valid, 0.75) == {"greedy_accepted": 2 + 2 + 0 + 2.0, "greedy_blocks": 4}
+
+
+def test_greedy_hits_need_the_targets_argmax_beyond_the_draft_vocabulary():
+    """Through the loss: a draft equal to the reference is accepted slot for slot, unless
+    the reference (restricted, not renormalised) leaves enough mass outside the draft
+    vocabulary for some other token to be the target's greedy one."""
+    _, targets, p_ref = rand_case(N=3, g=4, V=11)
+    valid = torch.ones_like(targets, dtype=torch.bool)
+    _, m = dlite_loss(p_ref.log(), targets, valid, p_ref, greedy_stop=0.0)
+    assert (m["greedy_accepted"], m["greedy_blocks"]) == (12.0, 3)
+    restricted = p_ref.clone()
+    restricted[1, 1] *= 0.4  # 60% of slot 1's mass outside: more than any token inside holds
+    _, m = dlite_loss(restricted.log(), targets, valid, restricted, greedy_stop=0.0)
+    assert m["greedy_accepted"] == 4 + 1 + 4.0
+
+
 def test_reference_from_hidden_and_from_topk():
     gen = torch.Generator().manual_seed(0)
     lm_head, hidden = torch.randn(11, 6, generator=gen), torch.randn(2, 4, 6, generator=gen)

@@ -193,6 +193,13 @@ def test_validate_pools_batches_like_one_batch():
     assert pooled["val_tau"] == pytest.approx(1 + a1 + a1 * a2 + a1 * a2 * a3, rel=1e-6)
     assert pooled["val_tau"] == pytest.approx(one["tau_est"], rel=1e-5)
     assert pooled["val_loss"] == pytest.approx(one["loss"], rel=1e-5)
+    # The greedy replay's figure pools blocks the same way, at the stop rule given.
+    for stop in (0.0, 0.2):
+        whole = compute_loss(model, collate(rows), greedy_stop=stop)[1]
+        want = 1 + whole["greedy_accepted"] / whole["greedy_blocks"]
+        got = validate(model, [collate(rows[:1]), collate(rows[1:])], stop)["val_tau_greedy"]
+        assert got == pytest.approx(want, rel=1e-6)
+    assert validate(model, [collate(rows)], 0.999999)["val_tau_greedy"] == 1.0  # every block cut at once
 
 
 def test_load_vocab_reads_only_what_drafters_share(setup):
