@@ -149,5 +149,6 @@ def validate(model, batches, stop_prob: float = 0.0) -> dict:
     accept = (accept / n_at_k.clamp_min(1)).tolist()
     tau = expected_tau(accept)
     extra = {} if model.vocab.draft_ids is None else {"val_oov_share": oov / slots}
-    return {"val_loss": loss_sum / w_sum, "val_tau": tau, "val_tau_greedy": 1 + greedy / max(1, blocks), **extra,
+    return {"val_loss": loss_sum / w_sum, "val_tau": tau,
+            "val_tau_greedy": 1 + greedy / max(1, blocks), **extra,
             **{f"val_accept_at_k_{i + 1}": a for i, a in enumerate(accept)}}
