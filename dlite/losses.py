@@ -22,7 +22,7 @@ from typing import Callable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from dlite.models.common import gather_positions
+from dlite.models.common import gather_positions, stop_rule_keeps
 
 # Bytes of one chunk's widest fp32 [rows, width] block: 441 rows at V = 151936. A chunk
 # holds two such blocks (logits, softmax) at its peak: ~0.5 GB at Qwen3-4B, measured.
@@ -249,11 +249,11 @@ def greedy_replay(greedy_hit: torch.Tensor, top: torch.Tensor, valid: torch.Tens
     """What a greedy replay would accept of each block, teacher forced (the evaluation's
     tau counts these plus the bonus token; `tau_est` is a pooled soft estimate): slot k
     counts when the drafter's argmax is the target's greedy token and every earlier slot
-    counted, and the block ends where the drafter's stop rule cuts it (`sample_rows`;
-    greedy: the running product of its top probabilities below `stop_prob`). Inputs
+    counted, and the block ends where the drafter's stop rule cuts it
+    (`dlite.models.common.stop_rule_keeps`, as `sample_rows`; greedy: chosen = top). Inputs
     [blocks, g]; returns the sum over blocks whose first slot is valid and their count,
     which pool over batches."""
-    kept = (greedy_hit & valid.bool() & (top.cumprod(-1) >= stop_prob)).long().cumprod(-1).sum(-1)
+    kept = (greedy_hit & valid.bool() & stop_rule_keeps(top, top, stop_prob)).long().cumprod(-1).sum(-1)
     first = valid[:, 0].bool()
     return {"greedy_accepted": float(kept[first].sum()), "greedy_blocks": int(first.sum())}
 

@@ -389,9 +389,18 @@ def sample_rows(step, gamma: int, anchors: torch.Tensor, temperature: float, voc
         toks.append(prev)
     tokens = torch.stack(toks, 1)
     cut = [gamma] * tokens.shape[0]
-    if stop_prob > 0:  # slot k kept iff (product of earlier chosen) x top_k >= stop_prob
-        sure = torch.cat([torch.ones_like(chosen[0])[:, None], torch.stack(chosen, 1).cumprod(1)[:, :-1]], 1)
-        ok = (sure * torch.stack(tops, 1)) >= stop_prob
-        cut = ok.long().cumprod(1).sum(1).tolist()
+    if stop_prob > 0:
+        keeps = stop_rule_keeps(torch.stack(chosen, 1), torch.stack(tops, 1), stop_prob)
+        cut = keeps.long().cumprod(1).sum(1).tolist()
     full = vocab.to_full(torch.stack(probs, 1)) if probs else None
     return [(tokens[b, :c], None if full is None else full[b, :c]) for b, c in enumerate(cut)]
+
+
+def stop_rule_keeps(chosen: torch.Tensor, tops: torch.Tensor, stop_prob: float) -> torch.Tensor:
+    """`sample_block`'s stop rule read afterwards, for rows of walked blocks [B, g]: slot k
+    passes iff (product of earlier slots' chosen probabilities) x top_k >= stop_prob; a
+    block keeps its slots up to the first that fails (the caller's cumprod). Shared by
+    `sample_rows` and the validation's greedy replay (`dlite.losses.greedy_replay`), so
+    what validation cuts is what decoding cuts."""
+    sure = torch.cat([torch.ones_like(chosen[:, :1]), chosen.cumprod(1)[:, :-1]], 1)
+    return (sure * tops) >= stop_prob
