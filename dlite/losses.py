@@ -155,11 +155,12 @@ def _row_terms(z: torch.Tensor, targets: torch.Tensor, p_ref: torch.Tensor):
     return ce, (p - q).abs().sum(-1), kl, p
 
 
-def _chunk(z, targets, coefs, ref, grad, i: int, j: int, ref_labels: bool):
+def _chunk(z, targets, coefs, ref, grad, i: int, j: int, ref_labels: bool, replay: bool):
     """Rows i..j of `_ChunkedLoss`: their gradient into grad[i:j] (when grad is given) and
     their small per-row results. A function of its own so that the chunk's [rows, V] and
     [rows, N] tensors are freed on return, before the next chunk allocates its own.
-    `ref_labels`: CE's label is the reference's argmax instead of `targets`."""
+    `ref_labels`: CE's label is the reference's argmax instead of `targets`. `replay`:
+    also the greedy-replay hit and the drafter's top probability (validation only)."""
     p_ref = ref.probs(i, j)  # grad mode is off in forward: the reference has no graph
     t = p_ref.argmax(-1) if ref_labels else targets[i:j]
     with torch.enable_grad():
@@ -168,13 +169,16 @@ def _chunk(z, targets, coefs, ref, grad, i: int, j: int, ref_labels: bool):
         if grad is not None:
             c_ce, c_l1, c_kl = (c[i:j] for c in coefs)
             grad[i:j] = torch.autograd.grad((c_ce * ce + c_l1 * l1 + c_kl * kl).sum(), zc)[0]
+    out = (ce.detach(), l1.detach(), kl.detach(), torch.minimum(p.detach(), p_ref).sum(-1),
+           zc.detach().argmax(-1) == t)
+    if not replay:
+        return out
     # What a greedy replay accepts: the drafter's argmax is the target's, and no token
     # outside a draft vocabulary outweighs it (p_ref is not renormalised there, so its
     # missing mass bounds them); with the drafter's top probability for the stop rule.
     q_top, greedy = p_ref.max(-1)
     top, mine = p.detach().max(-1)
-    return (ce.detach(), l1.detach(), kl.detach(), torch.minimum(p.detach(), p_ref).sum(-1),
-            zc.detach().argmax(-1) == t, (mine == greedy) & (q_top > 1 - p_ref.sum(-1)), top)
+    return (*out, (mine == greedy) & (q_top > 1 - p_ref.sum(-1)), top)
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -182,25 +186,25 @@ class _ChunkedLoss(torch.autograd.Function):
     chunk's gradient is taken in forward, with autograd over the same ops as the one-shot
     loss, into one buffer like z that backward returns (scaled): nothing [rows, V] outlives
     its chunk and nothing is recomputed. Also returns per-row CE, L1, KL, acceptance
-    sum_x min(p, p_ref), argmax hit, greedy-replay hit and the drafter's top
-    probability, without gradient."""
+    sum_x min(p, p_ref) and argmax hit (with `replay`, also the greedy-replay hit and
+    the drafter's top probability), without gradient."""
 
     @staticmethod
-    def forward(ctx, z, targets, coefs, ref, chunk_rows, need_grad, ref_labels):
+    def forward(ctx, z, targets, coefs, ref, chunk_rows, need_grad, ref_labels, replay):
         grad = torch.empty_like(z) if need_grad else None
-        out = [_chunk(z, targets, coefs, ref, grad, i, i + chunk_rows, ref_labels)
+        out = [_chunk(z, targets, coefs, ref, grad, i, i + chunk_rows, ref_labels, replay)
                for i in range(0, z.shape[0], chunk_rows)]
-        ce, l1, kl, accept, hit, greedy, top = (torch.cat(t) for t in zip(*out))
+        rows = [torch.cat(t) for t in zip(*out)]  # ce, l1, kl, accept, hit(, greedy, top)
         ctx.grad = grad
-        ctx.mark_non_differentiable(ce, l1, kl, accept, hit, greedy, top)
-        return sum((c * x).sum() for c, x in zip(coefs, (ce, l1, kl))), ce, l1, kl, accept, hit, greedy, top
+        ctx.mark_non_differentiable(*rows)
+        return sum((c * x).sum() for c, x in zip(coefs, rows[:3])), *rows
 
     @staticmethod
     def backward(ctx, g_loss, *_):
         if ctx.grad is None:
             raise RuntimeError("dlite_loss: its gradient was already handed back (backward twice?)")
         grad, ctx.grad = ctx.grad, None  # in place, once: no second [rows, N] buffer
-        return grad.mul_(g_loss), None, None, None, None, None, None
+        return grad.mul_(g_loss), None, None, None, None, None, None, None
 
 
 def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, p_ref,
@@ -233,14 +237,14 @@ def dlite_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
     scale = (w / w.sum().clamp_min(1e-12)).reshape(-1)
     need_grad = torch.is_grad_enabled() and logits.requires_grad
     coefs = (ce_weight * ce_on.reshape(-1) * scale, l1_weight * scale, kl_weight * scale)
-    loss, ce, l1, kl, accept, hit, greedy, top = _ChunkedLoss.apply(
+    loss, ce, l1, kl, accept, hit, *replay = _ChunkedLoss.apply(
         logits.reshape(-1, N), targets.reshape(-1), coefs, ref,
-        chunk_rows or chunk_rows_for(max(N, ref.width)), need_grad, ref_labels)
+        chunk_rows or chunk_rows_for(max(N, ref.width)), need_grad, ref_labels, greedy_stop is not None)
     ce, l1, kl = ce.view(-1, g) * ce_on, l1.view(-1, g), kl.view(-1, g)
     per_slot = ce_weight * ce + l1_weight * l1 + kl_weight * kl     # [rows / g, g]
     m = _metrics(loss, per_slot, ce, l1, accept.view(-1, g), hit.view(-1, g), valid, ce_on, kl)
     if greedy_stop is not None:
-        m.update(greedy_replay(greedy.view(-1, g), top.view(-1, g), valid, greedy_stop))
+        m.update(greedy_replay(*(r.view(-1, g) for r in replay), valid, greedy_stop))
     return loss, {**m, "loss_weight": float(w.sum())}  # what pools `loss` over batches
 
 

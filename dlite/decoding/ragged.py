@@ -27,8 +27,8 @@ full-attention layers are swapped for `SlackLayer`s (`dlite.decoding.slack`):
 DynamicLayer appends by concatenation, which copies the whole cache on every forward
 (8 rows x 8K tokens of SmolLM2 in fp32: 3 GB per decoding step, most of a batched plain
 step on 2 cores), a cost no paged serving engine has and one that would flatter
-speculation (fewer forwards). A target that makes its own cache (`dlite.bench.qwen3`) or has sliding-window
-layers is refused with a clear error."""
+speculation (fewer forwards). A target that makes its own cache (`dlite.bench.qwen3`)
+or has sliding-window layers is refused with a clear error."""
 
 from typing import List, Sequence
 
