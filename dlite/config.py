@@ -20,7 +20,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from dlite.config_schema import (BASELINES, HYBRIDS, REGEN_HISTORIES, STAGES,  # noqa: F401  (re-exported)
+from dlite.config_schema import (BASELINES, HYBRIDS, REGEN_HISTORIES, REGEN_ROWS, STAGES,  # noqa: F401  (re-exported)
                                  DLiteConfig)
 from dlite.models.config import prior_root
 
@@ -403,6 +403,7 @@ def _check_data_train_eval(cfg: DictConfig) -> None:
     _require(0 < d.regen_top_p <= 1, "data.regen_top_p", f"not in (0, 1]: {d.regen_top_p}")
     _require(d.regen_history in REGEN_HISTORIES, "data.regen_history",
              f"must be one of {REGEN_HISTORIES}, got {d.regen_history!r}")
+    _require(d.regen_rows in REGEN_ROWS, "data.regen_rows", f"must be one of {REGEN_ROWS}, got {d.regen_rows!r}")
     _require(d.regen_samples == 1 or d.regen_temperature > 0, "data.regen_samples",
              f"{d.regen_samples} samples at data.regen_temperature=0 would be identical copies")
     _check_extra_prompts(d)

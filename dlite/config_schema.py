@@ -20,6 +20,12 @@ BASELINES = ("prompt_lookup", "suffix")
 # agent turns), so each turn is instead its answer to the real history, as the held-out
 # replay asks it.
 REGEN_HISTORIES = ("generated", "recorded")
+# data.regen_rows: what collect makes of a recorded-history regeneration -- "forked": the
+# recorded conversation as an unsupervised trunk plus each answer as a branch after the
+# recorded turns it answered (dlite.data.render.forked_sequences), or "conversation":
+# the regenerated conversation read whole (its answers then follow answers the target
+# never saw). Generated-history regenerations are always read whole (they are).
+REGEN_ROWS = ("forked", "conversation")
 # hybrid name -> the token drafters (eval.baselines names) it puts beside the learned one
 HYBRIDS = {"hybrid_lookup": ("prompt_lookup",), "hybrid_suffix": ("suffix",),
            "hybrid_lookup_choose": ("prompt_lookup",), "hybrid_suffix_choose": ("suffix",),
@@ -87,6 +93,7 @@ class DataConfig:
     # Turn k's prompt: the answers "generated" before it (as the peers regenerate) or the
     # "recorded" ones (each answer the target's reply to the real history).
     regen_history: str = "generated"
+    regen_rows: str = "forked"  # with regen_history "recorded": see REGEN_ROWS
     skip_other_files: bool = False  # in an input directory: skip non-trajectory files (else quarantined)
     keep_reasoning: bool = False  # keep thinking/reasoning items as assistant reasoning_content
     records_per_shard: int = 64  # record i goes to shard i // records_per_shard (resume)

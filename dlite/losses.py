@@ -46,16 +46,19 @@ def position_weights(gamma: int, decay: Optional[float] = 4.0, device=None) -> t
 
 def block_targets(input_ids: torch.Tensor, anchors: torch.Tensor, gamma: int,
                   loss_mask: Optional[torch.Tensor] = None, anchor_mask: Optional[torch.Tensor] = None,
-                  seq_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                  seq_ids: Optional[torch.Tensor] = None,
+                  branch_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Data tokens [B, A, g] (input_ids at a+j+1) and `valid` [B, A, g]: inside the
-    sequence, a supervised token (loss_mask), a real anchor, and in the anchor's segment.
+    sequence, a supervised token (loss_mask), a real anchor, in the anchor's segment and,
+    in a forked row (`branch_ids`: trunk 0, branch k >= 1), in the anchor's branch.
 
     Slot j's validity does NOT require slots < j to be valid (decided, issue 16): with
     teacher forcing slot j sees the data tokens before it, so its data token and the
     target's distribution at a+j are a well-defined target even after an unsupervised
     slot (an assistant token after a chat-template or tool token inside the block);
     acceptance chaining is an inference matter, applied by tau_est's product of per-slot
-    rates. The sequence end and a packing boundary (seq_ids) do cut every later slot."""
+    rates. The sequence end, a packing boundary (seq_ids) and a branch's end do cut every
+    later slot."""
     L = input_ids.shape[1]
     pos = anchors[..., None] + 1 + torch.arange(gamma, device=anchors.device)
     valid = pos < L
@@ -65,6 +68,11 @@ def block_targets(input_ids: torch.Tensor, anchors: torch.Tensor, gamma: int,
         valid = valid & anchor_mask.bool()[..., None]
     if seq_ids is not None:
         valid = valid & (gather_positions(seq_ids, pos) == gather_positions(seq_ids, anchors)[..., None])
+    if branch_ids is not None:
+        same = gather_positions(branch_ids, pos) == gather_positions(branch_ids, anchors)[..., None]
+        # A document never recurs, so equality alone cuts every later slot; branch 0 does
+        # recur (padding after the last branch), so the block ends where it first leaves.
+        valid = valid & same.long().cumprod(-1).bool()
     return gather_positions(input_ids, pos), valid
 
 

@@ -21,6 +21,8 @@ Length policies (over `max_seq_len` tokens):
 import re
 from typing import List, Optional, Protocol, Tuple
 
+import numpy as np
+
 from dlite.data import chat
 from dlite.data.anchors import anchor_seed, sample_anchors
 from dlite.data.formats import Quarantine
@@ -162,6 +164,73 @@ def sequences(tok, record: dict, max_len: int, policy: str, n_anchors: int, seed
             out.append({"id": record["id"], "part": part, "index": record.get("index"),
                         "where": record.get("where"), "input_ids": ids, "loss_mask": mask,
                         "anchors": anchors})
+    if not out:
+        raise Quarantine("no_anchor", "no position where this and the next token are supervised")
+    return out
+
+
+# ---------------------------------------------------------------- forked rows
+
+def _spans(mask) -> List[Tuple[int, int]]:
+    """(start, end) of each run of supervised tokens: one per assistant message."""
+    edges = np.flatnonzero(np.diff(np.asarray(mask, dtype=np.int8), prepend=0, append=0))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def _fork(ids: list, mask: list, spans: List[Tuple[int, int]], answers: List[List[int]]) -> dict:
+    """The trunk `ids` with `spans` unsupervised, then per span a branch: the token before
+    the span (the fork, unsupervised) and that turn's answer tokens (supervised), at the
+    positions the answer takes when it follows the trunk up to the fork."""
+    row = {"input_ids": list(ids), "loss_mask": list(mask),
+           "position_ids": list(range(len(ids))), "branch_ids": [0] * len(ids)}
+    for k, ((start, end), answer) in enumerate(zip(spans, answers), 1):
+        row["loss_mask"][start:end] = [0] * (end - start)
+        if start == 0:  # a truncated tail that opens inside a turn: no token to fork at
+            continue
+        row["input_ids"] += [ids[start - 1], *answer]
+        row["loss_mask"] += [0] + [1] * len(answer)
+        row["position_ids"] += list(range(start - 1, start + len(answer)))
+        row["branch_ids"] += [k] * (len(answer) + 1)
+    return row
+
+
+def forked_sequences(tok, record: dict, max_len: int, policy: str, n_anchors: int, seed: int) -> list:
+    """`sequences` for a record regenerated with the recorded history (data.regen_history:
+    recorded; `record["recorded_messages"]` is the conversation as recorded, its
+    `messages` the same with each assistant turn the target's answer to the recorded
+    turns before it). Each part `fit` makes of the RECORDED conversation is a trunk, and
+    each of its assistant turns gets a branch holding the target's answer instead
+    (`_fork`; `data.regen_rows: forked`): every supervised token sits where the target
+    wrote it -- after the recorded history, as the evaluation replays a held-out
+    session -- where the regenerated conversation read whole puts it after the target's
+    earlier answers, which it never saw. An answer the regeneration added after the
+    last recorded message (a prompt, a final tool result) followed the whole recorded
+    conversation: it ends the trunk, supervised there."""
+    tools = record.get("tools")
+    gen_ids, gen_mask = encode(tok, record["messages"], tools)
+    answers = [gen_ids[a:b] for a, b in _spans(gen_mask)]
+    msgs = list(record["recorded_messages"])
+    n_turns = sum(m["role"] == "assistant" for m in msgs)
+    if len(answers) not in (n_turns, n_turns + 1):
+        raise Quarantine("fork_mismatch", f"{len(answers)} regenerated answers for {n_turns} recorded turns")
+    if len(answers) > n_turns:
+        msgs.append([m for m in record["messages"] if m["role"] == "assistant"][-1])
+    parts = fit(tok, {"messages": msgs, "tools": tools}, max_len, policy)
+    spans = [_spans(mask) for _, mask in parts]
+    # the record's turn number of each part's first span: split parts are consecutive
+    # turns; a truncated conversation keeps its last ones
+    firsts = [len(answers) - len(spans[0])] if policy == "truncate" else \
+        [int(x) for x in np.cumsum([0] + [len(x) for x in spans[:-1]])]
+    out = []
+    for part, ((ids, mask), sp, first) in enumerate(zip(parts, spans, firsts)):
+        forked = sp[:max(0, n_turns - first)]  # the added last answer stays in the trunk
+        row = _fork(ids, mask, forked, answers[first:first + len(forked)])
+        if not any(row["branch_ids"]):  # nothing forked (a prompt and its answer): a plain row
+            row = {k: row[k] for k in ("input_ids", "loss_mask")}
+        anchors = sample_anchors(row["loss_mask"], n_anchors, anchor_seed(seed, record["id"], part))
+        if len(anchors):
+            out.append({"id": record["id"], "part": part, "index": record.get("index"),
+                        "where": record.get("where"), **row, "anchors": anchors})
     if not out:
         raise Quarantine("no_anchor", "no position where this and the next token are supervised")
     return out

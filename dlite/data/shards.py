@@ -9,7 +9,7 @@ Layout of a collection directory (local path or any pyarrow filesystem URI, e.g.
   quarantine.jsonl        every unusable record: index, id, where, reason, detail
   manifest.json           written at the very end; readers require it
 
-Columns (schema version 1; arrays are little-endian bytes, shapes from the manifest):
+Columns (schema version 2; arrays are little-endian bytes, shapes from the manifest):
   id string, part int32 (piece of a split record), index int64 (input record number),
   n_tokens int32, input_ids list<int32>, loss_mask list<int8>, anchors list<int32>,
   features large_binary  float16 [n_tokens | A, feature_dim]    (full | anchors mode;
@@ -17,6 +17,8 @@ Columns (schema version 1; arrays are little-endian bytes, shapes from the manif
   ref_hidden large_binary float16 [n_tokens, H] | [A, gamma, H]  (reference last_hidden)
   topk_ids large_binary  int32   [n_tokens, k] | [A, gamma, k]   (reference topk)
   topk_logprobs large_binary float16, same shape as topk_ids
+  position_ids, branch_ids list<int32>, null but in a forked row (a trunk and its
+                         branches, `dlite.data.render.forked_sequences`); version 1 lacks them
 Reference row (a, j) in anchors mode is position a+j, clipped to n_tokens-1.
 """
 
@@ -31,7 +33,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no forked rows; its collections stay readable
+FORK_COLUMNS = ("position_ids", "branch_ids")
 MANIFEST, PLAN, QUARANTINE = "manifest.json", "collect.json", "quarantine.jsonl"
 ARRAY_DTYPES = {"features": "<f2", "ref_hidden": "<f2", "topk_ids": "<i4", "topk_logprobs": "<f2"}
 
@@ -40,12 +44,13 @@ class ShardError(RuntimeError):
     """A collection directory that must not be used as asked (mismatch, unfinished, corrupt)."""
 
 
-def shard_schema(reference: str) -> pa.Schema:
+def shard_schema(reference: str, version: int = SCHEMA_VERSION) -> pa.Schema:
     refs = ["ref_hidden"] if reference == "last_hidden" else ["topk_ids", "topk_logprobs"]
+    forks = [(k, pa.list_(pa.int32())) for k in FORK_COLUMNS] if version >= 2 else []
     return pa.schema([
         ("id", pa.string()), ("part", pa.int32()), ("index", pa.int64()),
         ("n_tokens", pa.int32()), ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())), ("anchors", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())), ("anchors", pa.list_(pa.int32())), *forks,
         ("features", pa.large_binary()), *[(r, pa.large_binary()) for r in refs]])
 
 
@@ -110,6 +115,8 @@ def encode_row(rec: dict) -> dict:
     row["n_tokens"] = len(rec["input_ids"])
     for k in ("input_ids", "loss_mask", "anchors"):
         row[k] = np.asarray(rec[k]).tolist()
+    for k in FORK_COLUMNS:
+        row[k] = None if rec.get(k) is None else np.asarray(rec[k]).tolist()
     for k, dt in ARRAY_DTYPES.items():
         if k in rec:
             row[k] = np.ascontiguousarray(rec[k], dtype=dt).tobytes()
@@ -121,6 +128,9 @@ def decode_row(row: dict, manifest: dict) -> dict:
     out = dict(row)
     for k, dt in (("input_ids", np.int32), ("loss_mask", np.int8), ("anchors", np.int32)):
         out[k] = np.asarray(row[k], dtype=dt)
+    for k in FORK_COLUMNS:  # absent (version 1) or null: a plain row, which has no such key
+        if out.pop(k, None) is not None:
+            out[k] = np.asarray(row[k], dtype=np.int32)
     blocks = (manifest["gamma"],) if manifest["storage_mode"] == "anchors" else ()
     widths = {"features": (manifest["feature_dim"],), "ref_hidden": blocks + (manifest["hidden_size"],),
               "topk_ids": blocks + (manifest.get("topk"),), "topk_logprobs": blocks + (manifest.get("topk"),)}
@@ -218,9 +228,9 @@ def read_manifest(uri: str, expect_fingerprint=None) -> dict:
         raise ShardError(f"{uri}: no {MANIFEST}: the collection is unfinished (rerun collect "
                          f"to resume) or this is not a collection directory")
     m = json.loads(store.read_bytes(MANIFEST))
-    if m.get("schema_version") != SCHEMA_VERSION:
+    if m.get("schema_version") not in READABLE_VERSIONS:
         raise ShardError(f"{uri}: shard schema version {m.get('schema_version')}, this code "
-                         f"reads version {SCHEMA_VERSION}: recollect the features")
+                         f"reads versions {READABLE_VERSIONS}: recollect the features")
     if expect_fingerprint is not None:
         from dlite.target import same_target
         have, want = m["target_fingerprint"]["id"], _fingerprint_id(expect_fingerprint)
@@ -239,12 +249,13 @@ def verify_files(uri: str, manifest: dict) -> None:
 
 
 def check_schema(uri: str, manifest: dict) -> None:
-    store, want = Store(uri), shard_schema(manifest["reference"])
+    version = manifest["schema_version"]
+    store, want = Store(uri), shard_schema(manifest["reference"], version)
     for f in manifest["files"]:
         got = pq.read_schema(store.path(f["path"]), filesystem=store.fs)
         if not got.remove_metadata().equals(want):
             raise ShardError(f"{uri}/{f['path']}: columns {got.names} do not match "
-                             f"schema version {SCHEMA_VERSION} ({want.names})")
+                             f"schema version {version} ({want.names})")
 
 
 def iter_records(uri: str, expect_fingerprint=None, verify: bool = False,

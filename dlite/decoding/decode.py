@@ -27,16 +27,15 @@ it as `prefilled=` and start from a copy of its cache, so an evaluation replays 
 methods on one history with one prefill (at 4K tokens a SmolLM2 prefill costs ~11 s on
 2 cores, ~200 decode steps).
 
-transformers is imported where a DynamicCache is made, not at module load: a target
-that makes its own cache (`new_cache()`: the torch-only Qwen3 of `dlite.bench.qwen3`)
-decodes through this loop where transformers is not installed (`dlite.bench.device`)."""
+transformers is imported where a DynamicCache is made (`dlite.target.cache`), not at
+module load: a target that makes its own cache (`new_cache()`: the torch-only Qwen3 of
+`dlite.bench.qwen3`) decodes through this loop where transformers is not installed
+(`dlite.bench.device`)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-import inspect
 import time
 from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Tuple
 
@@ -45,18 +44,13 @@ import torch
 from dlite.decoding.capture import LayerCapture
 from dlite.decoding.tree import build_tree, keep_path, tree_mask, tree_positions, verify_tree
 from dlite.decoding.verify import sample_token, verify_block
+from dlite.target.cache import cache_kwarg, new_cache  # noqa: F401 (new_cache: re-exported)
 
 if TYPE_CHECKING:  # annotations only: the import itself happens in new_cache
     from transformers import DynamicCache
 
 
 ROOM = 64  # positions reserved beyond max_new_tokens: a round's block or tree
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_kwarg(model_cls) -> str:
-    params = inspect.signature(model_cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _new_state(drafter, prompt_ids):
@@ -66,16 +60,6 @@ def _new_state(drafter, prompt_ids):
     if getattr(drafter, "reads_prompt", False):
         return drafter.new_state([int(x) for x in torch.as_tensor(prompt_ids).reshape(-1)])
     return drafter.new_state()
-
-
-def new_cache(model) -> DynamicCache:
-    """An empty KV cache: the target's own kind where it makes one (`new_cache()`), else
-    transformers' DynamicCache (no HF model defines `new_cache`)."""
-    own = getattr(model, "new_cache", None)
-    if callable(own):
-        return own()
-    from transformers import DynamicCache
-    return DynamicCache(config=model.config)
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:
@@ -97,7 +81,7 @@ def target_forward(target, ids: torch.Tensor, start: int, cache: DynamicCache,
     logits [B, n, V]."""
     rows = ids.dim() == 2
     pos = position_ids if position_ids is not None else torch.arange(start, start + ids.shape[-1], device=ids.device)[None]
-    kw = {_cache_kwarg(type(target)): cache}
+    kw = {cache_kwarg(type(target)): cache}
     if attention_mask is not None:
         kw["attention_mask"] = attention_mask
     out = target(input_ids=ids if rows else ids[None], position_ids=pos, use_cache=True,

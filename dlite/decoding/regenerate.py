@@ -40,7 +40,8 @@ import torch
 from dlite.config_schema import REGEN_HISTORIES
 from dlite.data import chat
 from dlite.data.formats import Quarantine
-from dlite.decoding.decode import _cache_kwarg, _device, crop_cache, new_cache, target_forward
+from dlite.decoding.decode import _device, crop_cache, target_forward
+from dlite.target.cache import cache_kwarg, new_cache
 from dlite.decoding.lookup import lookup_proposal
 from dlite.decoding.stacked_cache import select, stack, unstack
 from dlite.decoding.verify import sample_token, verify_greedy
@@ -160,8 +161,11 @@ class BatchedRegenerator:
             return {"index": rec.get("index"), "id": rec["id"], "where": rec.get("where"),
                     "sample": row.sample, "reason": q.reason, "detail": q.detail}
         rid = rec["id"] if row.sample == 0 else f"{rec['id']}#s{row.sample}"
+        # With the recorded history the answers were written after the recorded turns, not
+        # after each other: the recorded conversation goes along (collect's forked rows).
+        recorded = {"recorded_messages": rec["messages"]} if self.history == "recorded" else {}
         return {**rec, "id": rid, "sample": row.sample, "messages": row.out, "turns": row.turns,
-                "tokens": row.tokens}
+                "tokens": row.tokens, **recorded}
 
     def _advance(self, row: _Row) -> Optional[dict]:
         """Copy recorded messages up to the next assistant turn and prefill its prompt:
@@ -310,7 +314,7 @@ class BatchedRegenerator:
         row's padding sits at its last real position (never past the target's limit);
         its real tokens never see it (it comes after them) and it is masked out after."""
         dev, n = _device(self.model), len(blocks[0])
-        kw = {_cache_kwarg(type(self.model)): cache}
+        kw = {cache_kwarg(type(self.model)): cache}
         if mask is not None:
             kw["attention_mask"] = torch.nn.functional.pad(mask, (0, n), value=1)
         step = torch.arange(n, device=dev)[None, :].minimum(torch.tensor(real, device=dev)[:, None] - 1)

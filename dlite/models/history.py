@@ -19,7 +19,8 @@ def packed_block_mask(batch: dict, gamma: int, n_ctx: int, window: Optional[int]
     one forward: a block sees history positions < its anchor (same segment only; with
     `window`, only the last `window` of them: anchor-window..anchor-1, the authors'
     sliding-window teacher), its own context key(s), and its own block bidirectionally
-    -- never other blocks."""
+    -- never other blocks. A forked row (`branch_ids`, `position_ids`) restricts the
+    history further to the anchor's fork (`forked_history`)."""
     anchors, L = batch["anchors"], batch["input_ids"].shape[1]
     B, A = anchors.shape
     dev = anchors.device
@@ -27,7 +28,9 @@ def packed_block_mask(batch: dict, gamma: int, n_ctx: int, window: Optional[int]
     q_anchor = anchors[:, qb]                                      # [B, A*g]
     pos = torch.arange(L, device=dev)[None, None, :]
     hist = pos < q_anchor[..., None]
-    if window is not None:
+    if batch.get("branch_ids") is not None:
+        hist = hist & forked_history(batch, q_anchor, window)
+    elif window is not None:
         hist = hist & (pos >= q_anchor[..., None] - window)
     seg = batch.get("seq_ids")
     if seg is not None:
@@ -38,6 +41,28 @@ def packed_block_mask(batch: dict, gamma: int, n_ctx: int, window: Optional[int]
         return (qb[:, None] == owner[None, :]).expand(B, -1, -1)
     parts = [hist] + ([own(n_ctx)] if n_ctx else []) + [own(gamma)]
     return torch.cat(parts, dim=-1)[:, None]
+
+
+def forked_history(batch: dict, q_anchor: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """Bool [B, Q, L]: the keys a query anchored at index q_anchor [B, Q] may see in a
+    forked row -- its own branch, or the trunk (branch 0) before its branch's fork, the
+    position of the branch's first element; never another branch. With `window`, only
+    keys whose position is >= the anchor's position - window: measured in positions, a
+    branch's window reaches back into the trunk exactly as the unforked row's would.
+    The caller adds the index cut (key < anchor) that keeps a branch's later elements out."""
+    br, pos = batch["branch_ids"], batch.get("position_ids")
+    if pos is None:
+        raise ValueError("a forked row (branch_ids) needs its position_ids")
+    B, L = br.shape
+    # fork[b, k] = the smallest position of branch k in row b (branch ids < L always)
+    fork = torch.full((B, L), torch.iinfo(pos.dtype).max, dtype=pos.dtype, device=pos.device)
+    fork = fork.scatter_reduce(1, br, pos, "amin")
+    q_br = gather_positions(br, q_anchor)
+    k_br, k_pos = br[:, None, :], pos[:, None, :]
+    seen = (k_br == q_br[..., None]) | ((k_br == 0) & (k_pos < fork.gather(1, q_br)[..., None]))
+    if window is not None:
+        seen = seen & (k_pos >= gather_positions(pos, q_anchor)[..., None] - window)
+    return seen
 
 
 class HistoryCache:

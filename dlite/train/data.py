@@ -44,9 +44,15 @@ def training_row(row: dict, manifest: dict, supervise: str = "assistant") -> dic
             **{b: r[k] for k, b in BLOCKS.items() if k in r}}
 
 
+# A forked row's optional per-position arrays (a trunk, then its branches; see
+# `dlite.models.history.forked_history`): RoPE position and branch id (0 = trunk).
+FORKED = ("position_ids", "branch_ids")
+
+
 def collate(rows: List[dict]) -> dict:
     """Pad a list of rows to one batch; features / references become float32.
-    `seq_lens` [B] counts real (unpadded) tokens, for throughput figures."""
+    `seq_lens` [B] counts real (unpadded) tokens, for throughput figures. When any row is
+    forked, `position_ids` / `branch_ids` [B, L] too (`forked_ids`)."""
     L = max(len(r["input_ids"]) for r in rows)
     A = max(1, max(len(r["anchors"]) for r in rows))
     B = len(rows)
@@ -69,7 +75,26 @@ def collate(rows: List[dict]) -> dict:
             out[k][b, :n] = torch.as_tensor(np.asarray(r[k])).to(out[k].dtype)
         for k in blocks:
             out[k][b, :a] = torch.as_tensor(np.asarray(r[k])).to(out[k].dtype)
-    return out
+    return {**out, **forked_ids(rows, L)}
+
+
+def forked_ids(rows: List[dict], L: int) -> dict:
+    """`position_ids` / `branch_ids` [B, L] (long) when any row carries them, else {} (old
+    shards: their batches stay as they were). A row without them is one plain trunk:
+    positions 0..n-1, branch 0. Padding continues the positions on branch 0: harmless,
+    as a padded index lies after every real anchor (the history mask's key < anchor cut
+    never reaches it) and has loss_mask 0 (no block slot there is valid)."""
+    if not any(k in r for r in rows for k in FORKED):
+        return {}
+    pos = torch.arange(L, dtype=torch.long).repeat(len(rows), 1)
+    br = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = len(r["input_ids"])
+        if "position_ids" in r:
+            pos[b, :n] = torch.as_tensor(np.asarray(r["position_ids"], dtype=np.int64))
+        if "branch_ids" in r:
+            br[b, :n] = torch.as_tensor(np.asarray(r["branch_ids"], dtype=np.int64))
+    return {"position_ids": pos, "branch_ids": br}
 
 
 def resample(row: dict, n_anchors: int, seed: int, epoch: int) -> dict:

@@ -78,7 +78,8 @@ def compute_loss(model, batch: dict, teacher=None, spec: LossSpec = LossSpec(),
                  teacher_share: float = 1.0, chunk_rows=None,
                  greedy_stop: Optional[float] = None) -> tuple[torch.Tensor, dict]:
     """(loss, metrics) for a batch dict: input_ids [B,L], features [B,L,F], anchors [B,A],
-    optional loss_mask [B,L], anchor_mask [B,A], seq_ids [B,L], and the reference
+    optional loss_mask [B,L], anchor_mask [B,A], seq_ids [B,L], position_ids / branch_ids
+    [B,L] (a forked row: `dlite.train.data.collate`), and the reference
     (`ref_hidden` [B,L,H] or `topk_ids`/`topk_logprobs` [B,L,k]; per block, `*_blocks`
     [B,A,γ,...], from `anchors` storage) unless a teacher is given. With a teacher, the
     loss is teacher_share x (stage 1 against it) + (1 - teacher_share) x (stage 2 against
@@ -95,7 +96,7 @@ def compute_loss(model, batch: dict, teacher=None, spec: LossSpec = LossSpec(),
                          "or distillation")
     logits = model.forward_train(batch)
     targets, valid = block_targets(batch["input_ids"], anchors, gamma, batch.get("loss_mask"),
-                                   batch.get("anchor_mask"), batch.get("seq_ids"))
+                                   batch.get("anchor_mask"), batch.get("seq_ids"), batch.get("branch_ids"))
     ce_valid = None
     if vocab.draft_ids is not None:
         targets = vocab.to_draft(targets)  # -1: outside the draft vocabulary, not learnable

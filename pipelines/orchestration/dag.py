@@ -123,6 +123,7 @@ _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size"
                  "data.regen_history": "generated",
                  "data": {"regen_temperature": 0.0, "regen_top_p": 1.0, "regen_samples": 1,
                           "regen_batch_size": 8, "regen_lookup": 0, "regen_history": "generated",
+                          "regen_rows": "forked",
                           "corpus": "builtin", "extra_prompts": None, "extra_prompts_limit": 0},
                  "eval": {"verify_cost_tokens": [1, 2, 4, 8], "verify_cost": [1.0, 1.4, 1.6, 2.2],
                           "tree_budget": 16, "calibration_trajectories": 1,
@@ -169,6 +170,9 @@ def _stage_hash(cfg, d: StageDef, dep_hashes: dict, identity: str) -> str:
         scheme = _agent_ids(cfg)
         if scheme:  # the built input's record ids changed
             payload["agent_ids"] = scheme
+    if d.name == "regenerate" and cfg.data.get("regen_history") == "recorded":
+        # its records carry the recorded conversation too (collect forks rows from it)
+        payload["recorded_messages"] = True
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

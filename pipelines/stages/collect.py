@@ -96,7 +96,8 @@ def _prepare(batch, duplicates, require_assistant, keep_reasoning=False, canonic
             try:
                 if canonical and not isinstance(raw, Quarantine):  # a Quarantine value: raised below
                     recs.append({"index": index, "where": where, "id": raw["id"],
-                                 "messages": raw["messages"], "tools": raw.get("tools") or []})
+                                 "messages": raw["messages"], "tools": raw.get("tools") or [],
+                                 **{k: raw[k] for k in ("recorded_messages",) if raw.get(k)}})
                     continue
                 rec = canonical_record(raw, where, keep_reasoning)
                 rid = rec["id"]
@@ -138,12 +139,15 @@ class _FeatureWorker:
 
     def process(self, payload: dict) -> dict:
         from dlite.data.features import write_features
-        from dlite.data.render import sequences
+        from dlite.data.render import forked_sequences, sequences
         t0, bad, seqs, d = time.time(), list(payload["quarantine"]), [], self.cfg.data
         for rec in payload["records"]:
+            # a regeneration that read the recorded history: a trunk and its branches
+            rows = forked_sequences if rec.get("recorded_messages") and d.regen_rows == "forked" \
+                else sequences
             try:
-                seqs += sequences(self.tok, rec, d.max_seq_len, d.length_policy,
-                                  d.anchors_per_seq, self.cfg.run.seed)
+                seqs += rows(self.tok, rec, d.max_seq_len, d.length_policy, d.anchors_per_seq,
+                             self.cfg.run.seed)
             except Quarantine as q:
                 bad.append(_entry(rec["index"], rec["where"], q, rec["id"]))
         w = shards.ShardWriter(self.store, payload["shard"], self.spec["reference"])
