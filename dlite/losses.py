@@ -264,10 +264,12 @@ def greedy_replay(greedy_hit: torch.Tensor, top: torch.Tensor, valid: torch.Tens
     counted, and the block ends where the drafter's stop rule cuts it
     (`dlite.models.common.stop_rule_keeps`, as `sample_rows`; greedy: chosen = top). Inputs
     [blocks, g]; returns the sum over blocks whose first slot is valid and their count,
-    which pool over batches."""
+    which pool over batches, and `greedy_kept` [blocks] (-1 where the first slot is
+    invalid) for `dlite.train.step.replay_walk`."""
     kept = (greedy_hit & valid.bool() & stop_rule_keeps(top, top, stop_prob)).long().cumprod(-1).sum(-1)
     first = valid[:, 0].bool()
-    return {"greedy_accepted": float(kept[first].sum()), "greedy_blocks": int(first.sum())}
+    return {"greedy_accepted": float(kept[first].sum()), "greedy_blocks": int(first.sum()),
+            "greedy_kept": torch.where(first, kept, torch.full_like(kept, -1))}
 
 
 def dlite_loss_unchunked(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,

@@ -42,3 +42,10 @@ def reference_positions(anchors: np.ndarray, gamma: int, length: int) -> np.ndar
     data token a+j+1 does not exist)."""
     pos = np.asarray(anchors, dtype=np.int64)[:, None] + np.arange(gamma)[None, :]
     return np.minimum(pos, length - 1)
+
+
+def supervised_runs(loss_mask) -> list:
+    """(start, end) of each run of supervised tokens: one per assistant message (a forked
+    row's branch: one answer)."""
+    edges = np.flatnonzero(np.diff(np.asarray(loss_mask, dtype=np.int8), prepend=0, append=0))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]

@@ -24,7 +24,7 @@ from typing import List, Optional, Protocol, Tuple
 import numpy as np
 
 from dlite.data import chat
-from dlite.data.anchors import anchor_seed, sample_anchors
+from dlite.data.anchors import anchor_seed, sample_anchors, supervised_runs
 from dlite.data.formats import Quarantine
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -171,12 +171,6 @@ def sequences(tok, record: dict, max_len: int, policy: str, n_anchors: int, seed
 
 # ---------------------------------------------------------------- forked rows
 
-def _spans(mask) -> List[Tuple[int, int]]:
-    """(start, end) of each run of supervised tokens: one per assistant message."""
-    edges = np.flatnonzero(np.diff(np.asarray(mask, dtype=np.int8), prepend=0, append=0))
-    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
-
-
 def _fork(ids: list, mask: list, spans: List[Tuple[int, int]], answers: List[List[int]]) -> dict:
     """The trunk `ids` with `spans` unsupervised, then per span a branch: the token before
     the span (the fork, unsupervised) and that turn's answer tokens (supervised), at the
@@ -208,7 +202,7 @@ def forked_sequences(tok, record: dict, max_len: int, policy: str, n_anchors: in
     conversation: it ends the trunk, supervised there."""
     tools = record.get("tools")
     gen_ids, gen_mask = encode(tok, record["messages"], tools)
-    answers = [gen_ids[a:b] for a, b in _spans(gen_mask)]
+    answers = [gen_ids[a:b] for a, b in supervised_runs(gen_mask)]
     msgs = list(record["recorded_messages"])
     n_turns = sum(m["role"] == "assistant" for m in msgs)
     if len(answers) not in (n_turns, n_turns + 1):
@@ -216,7 +210,7 @@ def forked_sequences(tok, record: dict, max_len: int, policy: str, n_anchors: in
     if len(answers) > n_turns:
         msgs.append([m for m in record["messages"] if m["role"] == "assistant"][-1])
     parts = fit(tok, {"messages": msgs, "tools": tools}, max_len, policy)
-    spans = [_spans(mask) for _, mask in parts]
+    spans = [supervised_runs(mask) for _, mask in parts]
     # the record's turn number of each part's first span: split parts are consecutive
     # turns; a truncated conversation keeps its last ones
     firsts = [len(answers) - len(spans[0])] if policy == "truncate" else \

@@ -123,7 +123,47 @@ def compute_loss(model, batch: dict, teacher=None, spec: LossSpec = LossSpec(),
 
 
 @torch.no_grad()
-def validate(model, batches, stop_prob: float = 0.0) -> dict:
+def walk_runs(kept: dict, runs) -> tuple:
+    """(tokens, rounds) of a greedy replay over supervised runs [start, end), given each
+    anchor's kept drafts: a run's first token is the first round's anchor (the token the
+    prefill gave), a round at anchor a yields kept[a] drafts + the bonus token, and the
+    next round starts where that left off, until the run's last token."""
+    tokens = rounds = 0
+    for start, end in runs:
+        a = start
+        while a < end - 1:
+            step = min(max(kept.get(a, 0), 0) + 1, end - 1 - a)
+            tokens, rounds, a = tokens + step, rounds + 1, a + step
+    return tokens, rounds
+
+
+@torch.no_grad()
+def replay_walk(model, rows, stop_prob: float, anchors_per_call: int = 256) -> Optional[float]:
+    """The evaluation's greedy tau replayed on validation rows, teacher forced: every
+    supervised position scored as a block (`greedy_replay` at `stop_prob`), each run of
+    supervised tokens (a forked row's branch: one answer after its recorded history)
+    walked as the replay decodes it (`walk_runs`); tokens per round over all runs. The
+    mean over sampled blocks (`val_tau_greedy`) counts a long accepted run once per
+    position in it, where the replay crosses it in one round. None for rows that keep
+    features at their anchors only (`anchors` storage): other positions cannot be scored."""
+    from dlite.data.anchors import candidate_anchors, supervised_runs
+    from dlite.train.data import collate
+    from dlite.train.loop import to_device
+    if not rows or any(r.get("fixed_anchors") for r in rows):
+        return None
+    device, tokens, rounds = next(model.parameters()).device, 0, 0
+    for r in rows:
+        cand, kept = candidate_anchors(r["loss_mask"]), {}
+        for i in range(0, len(cand), anchors_per_call):
+            a = cand[i:i + anchors_per_call]
+            _, m = compute_loss(model, to_device(collate([{**r, "anchors": a}]), device), greedy_stop=stop_prob)
+            kept.update(zip(a.tolist(), m["greedy_kept"][:len(a)].tolist()))
+        t, n = walk_runs(kept, supervised_runs(r["loss_mask"]))
+        tokens, rounds = tokens + t, rounds + n
+    return tokens / rounds if rounds else None
+
+
+def validate(model, batches, stop_prob: float = 0.0, walk_rows=None) -> dict:
     """Teacher-forced validation against the target over fixed batches (stored anchors):
     `val_loss`, per-slot `val_accept_at_k_j` and `val_tau` = expected accepted length
     built from them -- exactly the one-batch `tau_est` / loss of all batches together:
@@ -132,7 +172,8 @@ def validate(model, batches, stop_prob: float = 0.0) -> dict:
     outside it). `val_tau_greedy`: the mean accepted length of a greedy replay of the
     same blocks, each cut by the evaluation's stop rule at `stop_prob`
     (`eval.draft_stop_prob`) -- the in-training figure of what the evaluation's greedy
-    tau measures, where `val_tau` is a soft (T = 1) estimate of full blocks."""
+    tau measures, where `val_tau` is a soft (T = 1) estimate of full blocks. With
+    `walk_rows` (the rows of `batches`), `val_tau_replay`: `replay_walk` over them."""
     was_training, model = model.training, model.eval()
     w_sum, loss_sum, slots, accept, n_at_k, oov = 0.0, 0.0, 0, None, None, 0
     greedy, blocks = 0.0, 0
@@ -144,6 +185,7 @@ def validate(model, batches, stop_prob: float = 0.0) -> dict:
         n = torch.tensor(m["valid_at_k"], dtype=torch.float64)
         a = torch.tensor(m["accept_est_at_k"], dtype=torch.float64) * n
         accept, n_at_k = (a, n) if accept is None else (accept + a, n_at_k + n)
+    walk = replay_walk(model, walk_rows, stop_prob) if walk_rows is not None else None
     model.train(was_training)
     if not slots:
         raise ValueError("validation batches hold no valid slot")
@@ -152,4 +194,5 @@ def validate(model, batches, stop_prob: float = 0.0) -> dict:
     extra = {} if model.vocab.draft_ids is None else {"val_oov_share": oov / slots}
     return {"val_loss": loss_sum / w_sum, "val_tau": tau,
             "val_tau_greedy": 1 + greedy / max(1, blocks), **extra,
+            **({"val_tau_replay": walk} if walk is not None else {}),
             **{f"val_accept_at_k_{i + 1}": a for i, a in enumerate(accept)}}

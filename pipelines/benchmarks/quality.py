@@ -102,7 +102,7 @@ def val_vs_heldout(bench: dict) -> dict:
     """`results.val_vs_heldout` over the benchmark's stages and evaluated methods."""
     from pipelines.orchestration.results import val_vs_heldout as compare_val
     return compare_val(bench["best_val_tau"], {n: m.get("tau") for n, m in bench["methods"].items()},
-                       bench.get("best_val_tau_greedy"))
+                       bench.get("best_val_tau_greedy"), bench.get("best_val_tau_replay"))
 
 
 def prompts_eval(bcfg, done: dict, prompts: str, n: int, home: Path, parent: str) -> dict:
@@ -161,8 +161,9 @@ def _measure(bcfg, stages, home: Path, parent: str, out_json: str, window: int, 
              "comparison": compare(report, window), "training_window": window, "budget": budget,
              "steps": {s: done[s].get("steps") for s in ("teacher", "align", "align_no_teacher", "dspark")},
              "best_val_tau": {s: done[s].get("best_val_tau") for s in ("teacher", "align", "align_no_teacher", "dspark")},
-             "best_val_tau_greedy": {s: done[s].get("best_val_tau_greedy")
-                                     for s in ("teacher", "align", "align_no_teacher", "dspark")},
+             **{f"best_val_tau_{k}": {s: done[s].get(f"best_val_tau_{k}")
+                                      for s in ("teacher", "align", "align_no_teacher", "dspark")}
+                for k in ("greedy", "replay")},
              "target_by_bucket": target_by_bucket(bcfg),
              "seconds": round(time.time() - t0, 1), "mlflow_run": parent,
              "config": report["config"], "env": report["env"]}

@@ -52,13 +52,16 @@ def _loss_plot(cfg, home: Path, results: Dict[str, dict]):
 
 
 def val_vs_heldout(best_val_tau: Dict[str, Optional[float]], heldout_tau: Dict[str, Optional[float]],
-                   best_val_tau_greedy: Optional[Dict[str, Optional[float]]] = None) -> dict:
+                   best_val_tau_greedy: Optional[Dict[str, Optional[float]]] = None,
+                   best_val_tau_replay: Optional[Dict[str, Optional[float]]] = None) -> dict:
     """Per learned method: the in-training estimate (best teacher-forced `val_tau` on the
     validation rows, by stage) next to the held-out greedy tau (by method), their ratio,
     and whether they agree within 10% -- the number users early-stop on must predict
     the real one. With `best_val_tau_greedy` (the same checkpoint's greedy replay of the
     validation blocks under the evaluation's stop rule, `dlite.train.step.validate`) its
-    ratio too, where the stage recorded one."""
+    ratio too, where the stage recorded one; likewise `best_val_tau_replay` (the replay
+    walked over the validation answers, `dlite.train.step.replay_walk`: tokens per round
+    as the evaluation counts them)."""
     from pipelines.orchestration.dag import METHODS
     out = {}
     for stage, name in METHODS.items():
@@ -66,9 +69,10 @@ def val_vs_heldout(best_val_tau: Dict[str, Optional[float]], heldout_tau: Dict[s
         if val is None or tau is None:
             continue
         out[name] = {"val_tau": val, "heldout_tau": tau, **_ratio("val", val, tau)}
-        greedy = (best_val_tau_greedy or {}).get(stage)
-        if greedy is not None:
-            out[name].update({"val_tau_greedy": greedy, **_ratio("greedy", greedy, tau)})
+        for what, by_stage in (("greedy", best_val_tau_greedy), ("replay", best_val_tau_replay)):
+            v = (by_stage or {}).get(stage)
+            if v is not None:
+                out[name].update({f"val_tau_{what}": v, **_ratio(what, v, tau)})
     return out
 
 
@@ -88,7 +92,8 @@ def finish(cfg, home: Path, parent_run_id: str, stages: List, results: Dict[str,
                "val_vs_heldout": val_vs_heldout({s: r.get("best_val_tau") for s, r in results.items()},
                                                 {n: m.get("tau") for n, m in
                                                  (results.get("evaluate") or {}).get("methods", {}).items()},
-                                                {s: r.get("best_val_tau_greedy") for s, r in results.items()})}
+                                                {s: r.get("best_val_tau_greedy") for s, r in results.items()},
+                                                {s: r.get("best_val_tau_replay") for s, r in results.items()})}
     (home / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     tracking.log_metrics(uri, parent_run_id, 0, {**_parent_metrics(results), "pipeline.seconds": seconds})
     tracking.set_tags(uri, parent_run_id, {f"dlite.stage_dir.{s.name}": s.dir for s in stages})

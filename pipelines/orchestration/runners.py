@@ -72,7 +72,8 @@ def _train(stage: str, label: str, overrides=None):
         f = s["final"]
         return {"drafter": s["drafter"], "run_id": s["run_id"], "steps": s["steps"],
                 "best_val_tau": s["best"].get("val_tau"),
-                "best_val_tau_greedy": s["best"].get("val_tau_greedy"), "final_loss": f.get("loss"),
+                "best_val_tau_greedy": s["best"].get("val_tau_greedy"),
+                "best_val_tau_replay": s["best"].get("val_tau_replay"), "final_loss": f.get("loss"),
                 "samples_per_s": f.get("samples_per_s_avg"), "peak_gpu_bytes": f.get("peak_gpu_bytes")}
     return run
 

@@ -199,12 +199,14 @@ def _worker(conf: dict) -> None:
     stream = BatchStream(rows, cfg.train.batch_size,
                          cfg.data.anchors_per_seq, cfg.run.seed, conf["shuffle_buffer"], decode,
                          start=start["stream"])
-    val = st.val_batches(st.heldout_rows(**conf["val"]), cfg.train.batch_size, engine.device)
+    val_rows = st.heldout_rows(**conf["val"])
+    val = st.val_batches(val_rows, cfg.train.batch_size, engine.device)
     hooks = _Hooks(conf, engine, stream, plan, resumed=start["step"] > 0)
     print(f"[train] rank {hooks.rank}/{world}: {plan.stage} ready in {time.time() - t0:.1f}s, "
           f"from step {start['step']} of {plan.steps} ({torch.get_num_threads()} threads)", flush=True)
     train_loop(engine, stream, st.loop_config(cfg, plan), start["step"], teacher,
-               validate=lambda model: validate(model, val, cfg.eval.draft_stop_prob), log=hooks.log,
+               validate=lambda model: validate(model, val, cfg.eval.draft_stop_prob, val_rows),
+               log=hooks.log,
                checkpoint=hooks.checkpoint, best=start["best"])
 
 

@@ -129,6 +129,8 @@ def test_quality_report_with_an_ablation(repo_root, tmp_path, smoke_pipeline):
         assert v["val_over_heldout"] == _ratio(v["val_tau"], v["heldout_tau"])
         assert v["val_tau_greedy"] == rep["best_val_tau_greedy"][stage]
         assert v["greedy_over_heldout"] == _ratio(v["val_tau_greedy"], v["heldout_tau"])
+        assert v["val_tau_replay"] == rep["best_val_tau_replay"][stage]
+        assert v["replay_over_heldout"] == _ratio(v["val_tau_replay"], v["heldout_tau"])
     # The same drafters on prompts nobody here wrote: 2 of the 3 in the file, answered by the target.
     pr = rep["prompts"]
     assert pr["n_prompts"] == 2 and set(pr["methods"]) == set(rep["methods"])

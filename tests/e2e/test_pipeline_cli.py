@@ -76,6 +76,9 @@ def test_pipeline_runs_every_stage(pipeline_run, mlflow_server):
         # The same checkpoint's greedy replay of the validation blocks (the eval's stop rule).
         assert v["val_tau_greedy"] == s["results"][stage]["best_val_tau_greedy"] and 1 <= v["val_tau_greedy"] <= 8
         assert v["greedy_over_heldout"] == round(v["val_tau_greedy"] / v["heldout_tau"], 4)
+        # ... and the replay walked over the validation answers (tokens per round)
+        assert v["val_tau_replay"] == s["results"][stage]["best_val_tau_replay"] and 1 <= v["val_tau_replay"] <= 8
+        assert v["replay_over_heldout"] == round(v["val_tau_replay"] / v["heldout_tau"], 4)
     assert "plain decoding" in first.stdout and "MLflow run: http://" in first.stdout
     assert s["results"]["publish"]["version"]
 

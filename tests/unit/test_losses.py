@@ -120,9 +120,13 @@ def test_greedy_replay_counts_leading_hits_inside_the_stop_rule():
     top = torch.full((5, 4), 0.9)
     valid = torch.ones(5, 4, dtype=torch.bool)
     valid[3, 2], valid[4, 0] = False, False
-    assert losses.greedy_replay(hit, top, valid, 0.0) == {"greedy_accepted": 2 + 4 + 0 + 2.0, "greedy_blocks": 4}
+    m = losses.greedy_replay(hit, top, valid, 0.0)
+    assert m.pop("greedy_kept").tolist() == [2, 4, 0, 2, -1]  # the last block: no valid first slot
+    assert m == {"greedy_accepted": 2 + 4 + 0 + 2.0, "greedy_blocks": 4}
     # 0.9, 0.81, 0.729: two slots survive a stop probability of 0.75
-    assert losses.greedy_replay(hit, top, valid, 0.75) == {"greedy_accepted": 2 + 2 + 0 + 2.0, "greedy_blocks": 4}
+    m = losses.greedy_replay(hit, top, valid, 0.75)
+    assert m.pop("greedy_kept").tolist() == [2, 2, 0, 2, -1]
+    assert m == {"greedy_accepted": 2 + 2 + 0 + 2.0, "greedy_blocks": 4}
 
 
 def test_greedy_hits_need_the_targets_argmax_beyond_the_draft_vocabulary():

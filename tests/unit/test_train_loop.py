@@ -200,6 +200,29 @@ def test_validate_pools_batches_like_one_batch():
         got = validate(model, [collate(rows[:1]), collate(rows[1:])], stop)["val_tau_greedy"]
         assert got == pytest.approx(want, rel=1e-6)
     assert validate(model, [collate(rows)], 0.999999)["val_tau_greedy"] == 1.0  # every block cut at once
+    # The replay walked over the rows' supervised runs: one token a round when every block is
+    # cut at once; otherwise the walk over every position's kept drafts (`walk_runs`).
+    assert validate(model, [collate(rows)], 0.999999, rows)["val_tau_replay"] == 1.0
+    from dlite.data.anchors import candidate_anchors, supervised_runs
+    from dlite.train.step import walk_runs
+    kept, tokens, rounds = {}, 0, 0
+    for r in rows:
+        a = candidate_anchors(r["loss_mask"])
+        k = compute_loss(model, collate([{**r, "anchors": a}]), greedy_stop=0.0)[1]["greedy_kept"]
+        t, n = walk_runs(dict(zip(a.tolist(), k.tolist())), supervised_runs(r["loss_mask"]))
+        tokens, rounds = tokens + t, rounds + n
+    got = validate(model, [collate(rows)], 0.0, rows)
+    assert got["val_tau_replay"] == pytest.approx(tokens / rounds) and 1 <= got["val_tau_replay"] <= 4
+    assert "val_tau_replay" not in validate(model, [collate(rows)], 0.0)  # no rows given
+
+
+def test_walk_runs_decodes_like_the_replay():
+    """A round at anchor a yields kept[a] drafts + the bonus token; the next starts after
+    them; a run ends at its last token (the prefill gave its first)."""
+    from dlite.train.step import walk_runs
+    assert walk_runs({0: 2, 3: 0, 4: 6}, [(0, 8)]) == (7, 3)  # 0 -> 3 -> 4 -> 7 (cut at the end)
+    assert walk_runs({10: 1, 12: -1}, [(10, 14)]) == (3, 2)  # -1 (no valid block): the bonus only
+    assert walk_runs({}, [(0, 1)]) == (0, 0)
 
 
 def test_load_vocab_reads_only_what_drafters_share(setup):
