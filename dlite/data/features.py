@@ -96,8 +96,8 @@ class TargetFeatures:
         rest = np.setdiff1d(np.arange(trunk, len(br)), firsts)
         if len(rest):
             mask = fork_mask(pos, br, trunk, rest, f.dtype).to(dev)
-            f, h = self._hooked(input_ids=ids[None, rest], use_cache=True, **{kw: cache}, attention_mask=mask,
-                                position_ids=torch.as_tensor(pos[rest], device=dev)[None])
+            f, h = self._hooked(input_ids=ids[None, rest], use_cache=True, **{kw: cache},
+                                attention_mask=mask, position_ids=torch.as_tensor(pos[rest], device=dev)[None])
             feats[rest], final[rest] = f[0], h[0]
         return feats, final
 
@@ -133,8 +133,8 @@ def fork_mask(pos: np.ndarray, br: np.ndarray, trunk: int, rows: np.ndarray, dty
     firsts = {int(br[lo]): int(pos[lo]) for lo, _ in _branches(br)}
     fork = torch.tensor([firsts[int(b)] for b in br[rows]])
     same = torch.as_tensor(br[rows])
-    allowed = torch.cat([torch.arange(trunk)[None] <= fork[:, None],
-                         (same[:, None] == same[None]) & torch.tril(torch.ones(len(rows), len(rows), dtype=torch.bool))], 1)
+    own = (same[:, None] == same[None]) & torch.ones(len(rows), len(rows), dtype=torch.bool).tril()
+    allowed = torch.cat([torch.arange(trunk)[None] <= fork[:, None], own], 1)
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 

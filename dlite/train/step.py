@@ -156,7 +156,8 @@ def replay_walk(model, rows, stop_prob: float, anchors_per_call: int = 256) -> O
         cand, kept = candidate_anchors(r["loss_mask"]), {}
         for i in range(0, len(cand), anchors_per_call):
             a = cand[i:i + anchors_per_call]
-            _, m = compute_loss(model, to_device(collate([{**r, "anchors": a}]), device), greedy_stop=stop_prob)
+            batch = to_device(collate([{**r, "anchors": a}]), device)
+            _, m = compute_loss(model, batch, greedy_stop=stop_prob)
             kept.update(zip(a.tolist(), m["greedy_kept"][:len(a)].tolist()))
         t, n = walk_runs(kept, supervised_runs(r["loss_mask"]))
         tokens, rounds = tokens + t, rounds + n
