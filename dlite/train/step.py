@@ -122,7 +122,6 @@ def compute_loss(model, batch: dict, teacher=None, spec: LossSpec = LossSpec(),
     return loss, {**m, "oov_slots": oov, "oov_share": oov / max(1, m["valid_slots"])}
 
 
-@torch.no_grad()
 def walk_runs(kept: dict, runs) -> tuple:
     """(tokens, rounds) of a greedy replay over supervised runs [start, end), given each
     anchor's kept drafts: a run's first token is the first round's anchor (the token the
@@ -164,6 +163,7 @@ def replay_walk(model, rows, stop_prob: float, anchors_per_call: int = 256) -> O
     return tokens / rounds if rounds else None
 
 
+@torch.no_grad()
 def validate(model, batches, stop_prob: float = 0.0, walk_rows=None) -> dict:
     """Teacher-forced validation against the target over fixed batches (stored anchors):
     `val_loss`, per-slot `val_accept_at_k_j` and `val_tau` = expected accepted length
