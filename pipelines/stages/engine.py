@@ -59,12 +59,25 @@ def ds_config(train_cfg, settings: EngineSettings, world_size: int) -> dict:
 
 
 def _own_extension_dir() -> None:
-    """JIT-built DeepSpeed ops (on CPU its shared-memory comm op, built at the first
-    `initialize`, ~2 min) go under this environment's prefix, not the per-user
+    """JIT-built DeepSpeed ops (any DeepSpeed builds at `initialize`; on CPU the
+    shared-memory comm op is skipped, `_skip_shm_comm_build`) go under this
+    environment's prefix, not the per-user
     ~/.cache/torch_extensions: two virtualenvs (a checkout and a CI clone) sharing
     that dir rebuild it over each other, and a worker killed mid-build leaves a lock
     that every later run waits on forever. TORCH_EXTENSIONS_DIR, when set, wins."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+
+
+def _skip_shm_comm_build() -> None:
+    """On CPU, DeepSpeed's communication backend JIT-builds its shared-memory kernel the
+    first time a venv initialises (measured ~50 s of the main job's first training
+    stage on 2 cores). Only `inference_all_reduce` (DeepSpeed's tensor-parallel
+    inference) calls it; training all-reduces through torch.distributed (gloo here).
+    Marking the op incompatible in DeepSpeed's per-process table (kept in the module,
+    so the edit holds) makes the backend skip it, as it does where the op cannot build."""
+    ops = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(ops, dict):
+        ops["deepspeed_shm_comm"] = False
 
 
 class DeepSpeedEngine:
@@ -74,6 +87,8 @@ class DeepSpeedEngine:
                  settings: Optional[EngineSettings] = None):
         _own_extension_dir()
         on_gpu = next(model.parameters()).device.type == "cuda"
+        if not on_gpu:
+            _skip_shm_comm_build()
         self.settings = settings or resolve(train_cfg, on_gpu)
         optimizer = adamw(model, train_cfg.lr, train_cfg.weight_decay)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(

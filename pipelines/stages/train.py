@@ -201,11 +201,14 @@ def _worker(conf: dict) -> None:
                          start=start["stream"])
     val_rows = st.heldout_rows(**conf["val"])
     val = st.val_batches(val_rows, cfg.train.batch_size, engine.device)
+    # The replay walk (~20 s a validation on SmolLM2) predicts the evaluated drafter's
+    # tau; the history-aware teacher is never evaluated, so it skips the walk.
+    walk_rows = None if plan.stage == "teacher" else val_rows
     hooks = _Hooks(conf, engine, stream, plan, resumed=start["step"] > 0)
     print(f"[train] rank {hooks.rank}/{world}: {plan.stage} ready in {time.time() - t0:.1f}s, "
           f"from step {start['step']} of {plan.steps} ({torch.get_num_threads()} threads)", flush=True)
     train_loop(engine, stream, st.loop_config(cfg, plan), start["step"], teacher,
-               validate=lambda model: validate(model, val, cfg.eval.draft_stop_prob, val_rows),
+               validate=lambda model: validate(model, val, cfg.eval.draft_stop_prob, walk_rows),
                log=hooks.log,
                checkpoint=hooks.checkpoint, best=start["best"])
 
