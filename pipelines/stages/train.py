@@ -201,7 +201,7 @@ def _worker(conf: dict) -> None:
                          start=start["stream"])
     val_rows = st.heldout_rows(**conf["val"])
     val = st.val_batches(val_rows, cfg.train.batch_size, engine.device)
-    # The replay walk (~20 s a validation on SmolLM2) predicts the evaluated drafter's
+    # The replay walk (~30 s a validation in the main job) predicts the evaluated drafter's
     # tau; the history-aware teacher is never evaluated, so it skips the walk.
     walk_rows = None if plan.stage == "teacher" else val_rows
     hooks = _Hooks(conf, engine, stream, plan, resumed=start["step"] > 0)
