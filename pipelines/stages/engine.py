@@ -61,10 +61,10 @@ def ds_config(train_cfg, settings: EngineSettings, world_size: int) -> dict:
 def _own_extension_dir() -> None:
     """JIT-built DeepSpeed ops (any DeepSpeed builds at `initialize`; on CPU the
     shared-memory comm op is skipped, `_skip_shm_comm_build`) go under this
-    environment's prefix, not the per-user
-    ~/.cache/torch_extensions: two virtualenvs (a checkout and a CI clone) sharing
-    that dir rebuild it over each other, and a worker killed mid-build leaves a lock
-    that every later run waits on forever. TORCH_EXTENSIONS_DIR, when set, wins."""
+    environment's prefix, not the per-user ~/.cache/torch_extensions: two virtualenvs
+    (a checkout and a CI clone) sharing that dir rebuild it over each other, and a
+    worker killed mid-build leaves a lock that every later run waits on forever.
+    TORCH_EXTENSIONS_DIR, when set, wins."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 

@@ -79,6 +79,7 @@ def test_pipeline_runs_every_stage(pipeline_run, mlflow_server):
         # ... and the replay walked over the validation answers (tokens per round)
         assert v["val_tau_replay"] == s["results"][stage]["best_val_tau_replay"] and 1 <= v["val_tau_replay"] <= 8
         assert v["replay_over_heldout"] == round(v["val_tau_replay"] / v["heldout_tau"], 4)
+    assert s["results"]["teacher"]["best_val_tau_replay"] is None  # never evaluated: no walk
     assert "plain decoding" in first.stdout and "MLflow run: http://" in first.stdout
     assert s["results"]["publish"]["version"]
 

@@ -220,3 +220,15 @@ def test_engine_settings_come_from_our_config():
     auto = OmegaConf.create({"zero_stage": None, "precision": None})
     assert resolve(auto, on_gpu=True) == EngineSettings(2, "bf16")
     assert resolve(auto, on_gpu=False) == EngineSettings(0, "fp32")
+
+
+def test_cpu_training_skips_deepspeeds_shm_comm_kernel():
+    """Training all-reduces through torch.distributed; DeepSpeed's shared-memory kernel
+    (JIT-built once per venv, ~50 s here) serves only its tensor-parallel inference, so
+    the CPU engine tells DeepSpeed's backend not to build it."""
+    import deepspeed
+    from deepspeed.comm.torch import build_shm_op
+    from pipelines.stages.engine import _skip_shm_comm_build
+    _skip_shm_comm_build()
+    assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
+    assert build_shm_op() is None
