@@ -136,20 +136,24 @@ def walk_runs(kept: dict, runs) -> tuple:
     return tokens, rounds
 
 
+def walkable(rows) -> bool:
+    """Whether `replay_walk` can score `rows`: not rows that keep features at their
+    anchors only (`anchors` storage), where other positions cannot be scored."""
+    return bool(rows) and not any(r.get("fixed_anchors") for r in rows)
+
+
 @torch.no_grad()
-def replay_walk(model, rows, stop_prob: float, anchors_per_call: int = 256) -> Optional[float]:
-    """The evaluation's greedy tau replayed on validation rows, teacher forced: every
-    supervised position scored as a block (`greedy_replay` at `stop_prob`), each run of
-    supervised tokens (a forked row's branch: one answer after its recorded history)
-    walked as the replay decodes it (`walk_runs`); tokens per round over all runs. The
-    mean over sampled blocks (`val_tau_greedy`) counts a long accepted run once per
-    position in it, where the replay crosses it in one round. None for rows that keep
-    features at their anchors only (`anchors` storage): other positions cannot be scored."""
+def replay_walk(model, rows, stop_prob: float, anchors_per_call: int = 256) -> tuple:
+    """The evaluation's greedy replay, teacher forced, on validation rows (`walkable`):
+    every supervised position scored as a block (`greedy_replay` at `stop_prob`), each
+    run of supervised tokens (a forked row's branch: one answer after its recorded
+    history) walked as the replay decodes it (`walk_runs`). Returns (tokens, rounds),
+    sums that ranks walking parts of the rows can add; tokens / rounds is
+    `val_tau_replay`. The mean over sampled blocks (`val_tau_greedy`) counts a long
+    accepted run once per position in it, where the replay crosses it in one round."""
     from dlite.data.anchors import candidate_anchors, supervised_runs
     from dlite.train.data import collate
     from dlite.train.loop import to_device
-    if not rows or any(r.get("fixed_anchors") for r in rows):
-        return None
     device, tokens, rounds = next(model.parameters()).device, 0, 0
     for r in rows:
         cand, kept = candidate_anchors(r["loss_mask"]), {}
@@ -160,11 +164,29 @@ def replay_walk(model, rows, stop_prob: float, anchors_per_call: int = 256) -> O
             kept.update(zip(a.tolist(), m["greedy_kept"][:len(a)].tolist()))
         t, n = walk_runs(kept, supervised_runs(r["loss_mask"]))
         tokens, rounds = tokens + t, rounds + n
-    return tokens / rounds if rounds else None
+    return tokens, rounds
+
+
+def _val_sums(model, batches, stop_prob: float) -> torch.Tensor:
+    """Validation's additive totals over `batches`, float64: [loss x weight, weight,
+    valid slots, out-of-vocabulary slots, greedy accepted, greedy blocks, then per slot
+    k the pooled acceptance (estimate x valid count) and the valid count]."""
+    out = None
+    for batch in batches:
+        _, m = compute_loss(model, batch, greedy_stop=stop_prob)
+        n = torch.tensor(m["valid_at_k"], dtype=torch.float64)
+        a = torch.tensor(m["accept_est_at_k"], dtype=torch.float64) * n
+        x = torch.cat([torch.tensor([m["loss"] * m["loss_weight"], m["loss_weight"], m["valid_slots"],
+                                     m.get("oov_slots", 0), m["greedy_accepted"], m["greedy_blocks"]],
+                                    dtype=torch.float64), a, n])
+        out = x if out is None else out + x
+    if out is None:
+        raise ValueError("no validation batches")
+    return out
 
 
 @torch.no_grad()
-def validate(model, batches, stop_prob: float = 0.0, walk_rows=None) -> dict:
+def validate(model, batches, stop_prob: float = 0.0, walk_rows=None, part=(0, 1), reduce=None) -> dict:
     """Teacher-forced validation against the target over fixed batches (stored anchors):
     `val_loss`, per-slot `val_accept_at_k_j` and `val_tau` = expected accepted length
     built from them -- exactly the one-batch `tau_est` / loss of all batches together:
@@ -174,20 +196,32 @@ def validate(model, batches, stop_prob: float = 0.0, walk_rows=None) -> dict:
     same blocks, each cut by the evaluation's stop rule at `stop_prob`
     (`eval.draft_stop_prob`) -- the in-training figure of what the evaluation's greedy
     tau measures, where `val_tau` is a soft (T = 1) estimate of full blocks. With
-    `walk_rows` (the rows of `batches`), `val_tau_replay`: `replay_walk` over them."""
+    `walk_rows` (the rows of `batches`), `val_tau_replay`: `replay_walk`'s tokens per
+    round over them (absent when the rows are not `walkable`).
+
+    `part` = (rank, world) with `reduce` (a sum over ranks, e.g. an all-reduce): rank r
+    scores batches r, r + world, ... and walks rows r, r + world, ..., and the totals are
+    summed, so the ranks share one validation instead of each repeating it (the same
+    figures up to float64 summation order). Every rank must call it. Batches (or walk
+    rows) fewer than the ranks are scored by every rank and counted once."""
+    rank, world = part if reduce is not None else (0, 1)
+    walk = walkable(walk_rows)
+    split_batches, split_walk = len(batches) >= world, walk and len(walk_rows) >= world
     was_training, model = model.training, model.eval()
-    w_sum, loss_sum, slots, accept, n_at_k, oov = 0.0, 0.0, 0, None, None, 0
-    greedy, blocks = 0.0, 0
-    for batch in batches:
-        _, m = compute_loss(model, batch, greedy_stop=stop_prob)
-        greedy, blocks = greedy + m["greedy_accepted"], blocks + m["greedy_blocks"]
-        loss_sum, w_sum = loss_sum + m["loss"] * m["loss_weight"], w_sum + m["loss_weight"]
-        slots, oov = slots + m["valid_slots"], oov + m.get("oov_slots", 0)
-        n = torch.tensor(m["valid_at_k"], dtype=torch.float64)
-        a = torch.tensor(m["accept_est_at_k"], dtype=torch.float64) * n
-        accept, n_at_k = (a, n) if accept is None else (accept + a, n_at_k + n)
-    walk = replay_walk(model, walk_rows, stop_prob) if walk_rows is not None else None
+    sums = _val_sums(model, batches[rank::world] if split_batches else batches, stop_prob)
+    if not split_batches and rank > 0:
+        sums.zero_()  # rank 0's copy is the one counted
+    t = (0, 0)
+    if walk and (split_walk or rank == 0):
+        t = replay_walk(model, walk_rows[rank::world] if split_walk else walk_rows, stop_prob)
+    sums = torch.cat([sums, torch.tensor(t, dtype=torch.float64)])
     model.train(was_training)
+    if world > 1:
+        sums = reduce(sums)
+    gamma = (len(sums) - 8) // 2  # slots per block
+    loss_sum, w_sum, slots, oov, greedy, blocks = sums[:6].tolist()
+    accept, n_at_k = sums[6:6 + gamma], sums[6 + gamma:6 + 2 * gamma]
+    tokens, rounds = sums[-2:].tolist()
     if not slots:
         raise ValueError("validation batches hold no valid slot")
     accept = (accept / n_at_k.clamp_min(1)).tolist()
@@ -195,5 +229,5 @@ def validate(model, batches, stop_prob: float = 0.0, walk_rows=None) -> dict:
     extra = {} if model.vocab.draft_ids is None else {"val_oov_share": oov / slots}
     return {"val_loss": loss_sum / w_sum, "val_tau": tau,
             "val_tau_greedy": 1 + greedy / max(1, blocks), **extra,
-            **({"val_tau_replay": walk} if walk is not None else {}),
+            **({"val_tau_replay": tokens / rounds} if walk and rounds else {}),
             **{f"val_accept_at_k_{i + 1}": a for i, a in enumerate(accept)}}

@@ -181,6 +181,21 @@ def _renice() -> None:
         pass  # lowering niceness needs CAP_SYS_NICE; keep Ray's
 
 
+def _validation_part(engine, world: int) -> tuple:
+    """(part, reduce) for `validate`: the ranks share each validation, each scoring its
+    part, the totals all-reduced (on the engine's device, as NCCL needs) -- except under
+    ZeRO-3, where every forward gathers parameters from all ranks in lockstep, so every
+    rank scores everything."""
+    if world < 2 or engine.settings.zero_stage >= 3:
+        return (0, 1), None
+
+    def total(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(engine.device)
+        torch.distributed.all_reduce(x)
+        return x.cpu()
+    return (ray.train.get_context().get_world_rank(), world), total
+
+
 def _worker(conf: dict) -> None:
     """One rank of the stage: build, resume, loop. Same code on 1 or N workers."""
     from pipelines.stages.engine import DeepSpeedEngine
@@ -201,14 +216,15 @@ def _worker(conf: dict) -> None:
                          start=start["stream"])
     val_rows = st.heldout_rows(**conf["val"])
     val = st.val_batches(val_rows, cfg.train.batch_size, engine.device)
-    # The replay walk (~30 s a validation in the main job) predicts the evaluated drafter's
-    # tau; the history-aware teacher is never evaluated, so it skips the walk.
+    # The replay walk (~30 s a validation in the main job on one rank) predicts the
+    # evaluated drafter's tau; the history-aware teacher is never evaluated: no walk.
     walk_rows = None if plan.stage == "teacher" else val_rows
+    part, reduce = _validation_part(engine, world)
     hooks = _Hooks(conf, engine, stream, plan, resumed=start["step"] > 0)
     print(f"[train] rank {hooks.rank}/{world}: {plan.stage} ready in {time.time() - t0:.1f}s, "
           f"from step {start['step']} of {plan.steps} ({torch.get_num_threads()} threads)", flush=True)
     train_loop(engine, stream, st.loop_config(cfg, plan), start["step"], teacher,
-               validate=lambda model: validate(model, val, cfg.eval.draft_stop_prob, walk_rows),
+               validate=lambda model: validate(model, val, cfg.eval.draft_stop_prob, walk_rows, part, reduce),
                log=hooks.log,
                checkpoint=hooks.checkpoint, best=start["best"])
 

@@ -92,9 +92,25 @@ def test_teacher_then_align_survives_a_worker_crash(setup, tmp_path, monkeypatch
     assert done["steps"] == STEPS and done["final"]["global_steps"] == STEPS  # not one step more
     student, meta = _load(cfg, tmp_path / "align")
     assert student.cfg.arch == "dlite" and meta["val_tau"] == done["best"]["val_tau"]
+    _check_shared_validation(cfg, shards, student, done["best"])
     _check_tracking(uri, parent, done["run_id"])
     again = train_stage(cfg, "align", shards, str(tmp_path / "align"), teacher=str(tmp_path / "teacher"))
     assert again == done  # finished: returned as is, nothing retrained
+
+
+def _check_shared_validation(cfg, shards: str, model, best: dict) -> None:
+    """The 2 ranks split each validation (batches and replay-walk rows) and all-reduce the
+    totals: the figures the stage recorded for its best checkpoint are those of one
+    process scoring every row with that checkpoint's drafter."""
+    from dlite.data.shards import read_manifest
+    from dlite.train.plan import heldout_rows, val_batches
+    from dlite.train.step import validate
+    from pipelines.stages.train_inputs import split_inputs
+    rows = heldout_rows(**split_inputs(cfg, shards, None, read_manifest(shards)).val)
+    assert len(rows) >= 2  # at least one row for each rank to walk
+    got = validate(model, val_batches(rows, cfg.train.batch_size), cfg.eval.draft_stop_prob, rows)
+    for k in ("val_tau", "val_loss", "val_tau_greedy", "val_tau_replay"):
+        assert got[k] == pytest.approx(best[k], rel=1e-5), k
 
 
 def _check_tracking(uri: str, parent: str, align_run: str) -> None:

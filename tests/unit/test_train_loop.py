@@ -216,6 +216,53 @@ def test_validate_pools_batches_like_one_batch():
     assert "val_tau_replay" not in validate(model, [collate(rows)], 0.0)  # no rows given
 
 
+
+def test_ranks_share_one_validation():
+    """Split over ranks (each scores every world-th batch and walk row, the totals summed)
+    validation gives the single-rank figures; with fewer batches or rows than ranks, each
+    rank scores them all and they count once."""
+    from dlite.models import DrafterConfig
+    from dlite.train.step import validate
+    torch.manual_seed(0)
+    vocab = torch.randn(64, 4)
+    model = build_drafter(DrafterConfig(gamma=3, target_layer_ids=[0, 1], hidden_size=16, num_layers=1,
+                                        num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                                        head_hidden=16), vocab, vocab.clone(), 63)
+    rows = [{**r, "ref_hidden": torch.randn(40, 4).numpy(), "features": r["features"][:, :8],
+             "anchors": [21, 25, 30]} for r in _rows(5, seed=1)]
+
+    class Sent(Exception):
+        pass
+
+    def split(batches, walk, world):
+        sent = []  # what each rank hands to the all-reduce, in rank order
+
+        def hand_in(t):
+            sent.append(t.clone())
+            raise Sent
+        for rank in range(world):
+            with pytest.raises(Sent):
+                validate(model, batches, 0.0, walk, (rank, world), hand_in)
+        outs = [validate(model, batches, 0.0, walk, (r, world), lambda t: sum(sent)) for r in range(world)]
+        assert all(o == outs[0] for o in outs)  # every rank ends with the same figures
+        return outs[0], sent
+
+    for n_batches, world in ((5, 2), (3, 3), (1, 2), (2, 4)):
+        batches = [collate(rows[i::n_batches]) for i in range(n_batches)]
+        want = validate(model, batches, 0.0, rows)
+        got, sent = split(batches, rows, world)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k] == pytest.approx(want[k], rel=1e-9), k
+        if n_batches < world:  # scored by every rank, counted by rank 0 only
+            assert all(float(t[:6].abs().sum()) == 0 for t in sent[1:])
+    # A walk over fewer rows than ranks: rank 0 walks them all.
+    got, sent = split([collate(rows[:2]), collate(rows[2:])], rows[:1], 2)
+    assert got["val_tau_replay"] == pytest.approx(validate(model, [collate(rows)], 0.0, rows[:1])["val_tau_replay"])
+    assert sent[1][-2:].tolist() == [0.0, 0.0]
+    # No reduce: one rank scores everything, whatever `part` says.
+    assert validate(model, [collate(rows)], 0.0, rows, (1, 2))["val_tau"] == pytest.approx(want["val_tau"])
+
 def test_walk_runs_decodes_like_the_replay():
     """A round at anchor a yields kept[a] drafts + the bonus token; the next starts after
     them; a run ends at its last token (the prefill gave its first)."""
