@@ -169,14 +169,19 @@ def test_validation_holds_out_whole_repositories():
         heldout_ids(ids, 3, r"^.(_)")  # every id's second character: one group
 
 
-def test_validate_pools_batches_like_one_batch():
+def _small_drafter():
+    """A 3-slot DLite drafter over a 64-token vocabulary (seeded weights)."""
     from dlite.models import DrafterConfig
-    from dlite.train.step import validate
     torch.manual_seed(0)
     vocab = torch.randn(64, 4)
-    model = build_drafter(DrafterConfig(gamma=3, target_layer_ids=[0, 1], hidden_size=16, num_layers=1,
-                                        num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
-                                        head_hidden=16), vocab, vocab.clone(), 63)
+    return build_drafter(DrafterConfig(gamma=3, target_layer_ids=[0, 1], hidden_size=16, num_layers=1,
+                                       num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                                       head_hidden=16), vocab, vocab.clone(), 63)
+
+
+def test_validate_pools_batches_like_one_batch():
+    from dlite.train.step import validate
+    model = _small_drafter()
     rows = [{**r, "ref_hidden": torch.randn(40, 4).numpy()} for r in _rows(4)]
     rows = [{**r, "features": r["features"][:, :8], "anchors": [21, 25, 30]} for r in rows]
     # Row 0's blocks run past its 40 tokens: its batch has fewer valid late slots, so a
@@ -216,18 +221,12 @@ def test_validate_pools_batches_like_one_batch():
     assert "val_tau_replay" not in validate(model, [collate(rows)], 0.0)  # no rows given
 
 
-
 def test_ranks_share_one_validation():
     """Split over ranks (each scores every world-th batch and walk row, the totals summed)
     validation gives the single-rank figures; with fewer batches or rows than ranks, each
     rank scores them all and they count once."""
-    from dlite.models import DrafterConfig
     from dlite.train.step import validate
-    torch.manual_seed(0)
-    vocab = torch.randn(64, 4)
-    model = build_drafter(DrafterConfig(gamma=3, target_layer_ids=[0, 1], hidden_size=16, num_layers=1,
-                                        num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
-                                        head_hidden=16), vocab, vocab.clone(), 63)
+    model = _small_drafter()
     rows = [{**r, "ref_hidden": torch.randn(40, 4).numpy(), "features": r["features"][:, :8],
              "anchors": [21, 25, 30]} for r in _rows(5, seed=1)]
 
@@ -262,6 +261,7 @@ def test_ranks_share_one_validation():
     assert sent[1][-2:].tolist() == [0.0, 0.0]
     # No reduce: one rank scores everything, whatever `part` says.
     assert validate(model, [collate(rows)], 0.0, rows, (1, 2))["val_tau"] == pytest.approx(want["val_tau"])
+
 
 def test_walk_runs_decodes_like_the_replay():
     """A round at anchor a yields kept[a] drafts + the bonus token; the next starts after
