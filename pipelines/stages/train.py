@@ -181,7 +181,7 @@ def _renice() -> None:
         pass  # lowering niceness needs CAP_SYS_NICE; keep Ray's
 
 
-def _validation_part(engine, world: int) -> tuple:
+def _validation_part(engine, rank: int, world: int) -> tuple:
     """(part, reduce) for `validate`: the ranks share each validation, each scoring its
     part, the totals all-reduced (on the engine's device, as NCCL needs) -- except under
     ZeRO-3, where every forward gathers parameters from all ranks in lockstep, so every
@@ -193,7 +193,7 @@ def _validation_part(engine, world: int) -> tuple:
         x = x.to(engine.device)
         torch.distributed.all_reduce(x)
         return x.cpu()
-    return (ray.train.get_context().get_world_rank(), world), total
+    return (rank, world), total
 
 
 def _worker(conf: dict) -> None:
@@ -219,8 +219,8 @@ def _worker(conf: dict) -> None:
     # The replay walk (~30 s a validation in the main job on one rank) predicts the
     # evaluated drafter's tau; the history-aware teacher is never evaluated: no walk.
     walk_rows = None if plan.stage == "teacher" else val_rows
-    part, reduce = _validation_part(engine, world)
     hooks = _Hooks(conf, engine, stream, plan, resumed=start["step"] > 0)
+    part, reduce = _validation_part(engine, hooks.rank, world)
     print(f"[train] rank {hooks.rank}/{world}: {plan.stage} ready in {time.time() - t0:.1f}s, "
           f"from step {start['step']} of {plan.steps} ({torch.get_num_threads()} threads)", flush=True)
     train_loop(engine, stream, st.loop_config(cfg, plan), start["step"], teacher,
