@@ -501,6 +501,9 @@ def _check_hybrid_scoring(e: DictConfig) -> None:
     _require(all(x > 0 for x in c) and c == sorted(c), "eval.verify_cost",
              f"must be positive and non-decreasing (more tokens never cost less), got {c}")
     _require(e.tree_budget >= 1, "eval.tree_budget", f"must be >= 1, got {e.tree_budget}")
+    k = list(e.cost_contexts)
+    _require(all(x >= 1 for x in k) and k == sorted(set(k)), "eval.cost_contexts",
+             f"must be increasing context lengths >= 1, got {k}")
     _require(e.calibration_trajectories >= 0, "eval.calibration_trajectories",
              f"must be >= 0, got {e.calibration_trajectories}")
     _require(e.calibration_max_turns is None or e.calibration_max_turns > 0, "eval.calibration_max_turns",

@@ -214,10 +214,13 @@ class EvalConfig:
     verify_cost: List[float] = field(default_factory=lambda: [1.0, 1.4, 1.6, 2.2])
     tree_budget: int = 16  # hybrid_*_tree: draft tokens one tree round may verify
     # Measure that curve instead, on this machine and target, with the calibration
-    # (verifying 1..32 tokens after a prefill of the middle of min_context..max_context,
-    # else 2048 tokens, with eval.threads as the timed replay); saved as
-    # report["calibration"]["cost"]. false: the figures above.
+    # (verifying 1..32 tokens, with eval.threads as the timed replay) after a prefill of
+    # each of eval.cost_contexts tokens -- [] : the shortest, middle and longest history
+    # of min_context (at least 256)..max_context, else 2048 alone -- and price each round
+    # by the curve at its anchor's position, interpolated; saved as
+    # report["calibration"]["cost"]. false: the figures above, at every context.
     measure_verify_cost: bool = True
+    cost_contexts: List[int] = field(default_factory=list)
     # Calibration of the proposers' confidences, fitted before the reported replay on
     # this many validation trajectories (never the reported ones: built-in held-out
     # ones of seed run.seed + 1, or the data.heldout_path records after n_trajectories);

@@ -32,11 +32,18 @@ drafter gave it under 0.1 -- copying's features cannot tell a copy from a common
 the target's hidden state, read by the drafter, largely can.
 
 `CostCurve`: verifying m tokens (anchor included) costs cost(m) decode steps, linear
-between measured points, and running the learned drafter costs `draft` steps more. The default is this project's CPU measurement (SmolLM2-135M
-at 4K context, `jobs.benchmark target_probe` step costs: 1 / 2 / 4 / 8 tokens cost
-1.0 / 1.4 / 1.6 / 2.2 decode steps); `eval.verify_cost_tokens` / `eval.verify_cost`
-set another machine's."""
+between measured points, and running the learned drafter costs `draft` steps more. The
+default is this project's CPU measurement (SmolLM2-135M at 4K context, `jobs.benchmark
+target_probe` step costs: 1 / 2 / 4 / 8 tokens cost 1.0 / 1.4 / 1.6 / 2.2 decode
+steps); `eval.verify_cost_tokens` / `eval.verify_cost` set another machine's.
+`CostTable`: curves measured at several contexts, a round priced by the curve at its
+anchor's position (`at`). A decode step's cost grows with the context (attention reads
+the whole cache) and a history-free draft's does not, so the draft is a larger share
+of a step on short histories: measured on SmolLM2 here (stop 57), ~10 ms a draft was
+~0.19 of a step at 600 tokens and ~0.1 at 3,000, where one curve measured at 2,048
+tokens had priced it at 0.076 everywhere."""
 
+import bisect
 import dataclasses
 import math
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -315,6 +322,10 @@ class CostCurve:
         slope = (c[-1] - c[-2]) / (t[-1] - t[-2]) if len(t) > 1 else 0.0
         return c[-1] + slope * (m - t[-1])  # beyond the last point: its last slope
 
+    def at(self, position: int) -> "CostCurve":
+        """One curve prices every context."""
+        return self
+
     def value(self, expected: float, n: int) -> float:
         """Tokens per decode-step of cost: (accepted + the bonus) / cost(n + 1)."""
         return (1.0 + expected) / self(n + 1)
@@ -324,3 +335,30 @@ class CostCurve:
         the learned drafter's draft cost counted too (deciding whether to run it)."""
         exp, extra = expected_accepted(slot_probs), self.draft if drafted else 0.0
         return max(((n, (1.0 + e) / (self(n + 1) + extra)) for n, e in enumerate(exp)), key=lambda kv: kv[1])
+
+
+@dataclasses.dataclass
+class CostTable:
+    """Cost curves measured at increasing `contexts` (the same token counts in each);
+    `at(position)`: the curve for a round whose anchor is there, every point and the
+    draft cost linear in the context between the two measured around it, the nearest
+    one's outside them."""
+    contexts: Tuple[int, ...]
+    curves: Tuple[CostCurve, ...]
+
+    def __post_init__(self):
+        if not self.contexts or len(self.contexts) != len(self.curves):
+            raise ValueError(f"one curve per context, got {len(self.curves)} for {self.contexts}")
+        if list(self.contexts) != sorted(set(self.contexts)):
+            raise ValueError(f"contexts must increase, got {self.contexts}")
+        if len({c.tokens for c in self.curves}) != 1:
+            raise ValueError("every curve must be measured at the same token counts")
+
+    def at(self, position: int) -> CostCurve:
+        c = self.contexts
+        i = bisect.bisect_right(c, position)  # c[i - 1] <= position < c[i]
+        if i == 0 or i == len(c):
+            return self.curves[0 if i == 0 else -1]
+        a, b, w = self.curves[i - 1], self.curves[i], (position - c[i - 1]) / (c[i] - c[i - 1])
+        return CostCurve(a.tokens, tuple(x + (y - x) * w for x, y in zip(a.costs, b.costs)),
+                         a.draft + (b.draft - a.draft) * w)

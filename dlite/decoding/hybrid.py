@@ -19,6 +19,11 @@ round either
   expected chance of being accepted, siblings sharing their parent's, since the target
   accepts one of them at most), as many as maximise tokens per unit of cost.
 
+Cost is priced per round at the round's anchor position (`CostTable.at`, a curve
+measured at several contexts): a plain step is cheaper on a short history while a
+history-free draft costs the same everywhere, so a draft worth its time at 4K tokens
+may not be at 600.
+
 Exactness at T > 0: what is verified may depend on deterministic proposals and on
 numbers fixed before the learned drafter draws anything (its first slot's largest
 probability), never on its draws (a block kept because its draws look likely no longer
@@ -26,12 +31,12 @@ follows q). Greedy decoding reads everything. Both are lossless either way; the 
 records say which source the accepted tokens came from and, for trees, how far each
 branch matched (the calibration's observations)."""
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 
 from dlite.decoding.calibration import (MODEL_ALONE, MODEL_BESIDE, STRENGTH_EDGES, Calibration, CostCurve,
-                                        model_context, token_strength)
+                                        CostTable, model_context, token_strength)
 from dlite.decoding.lookup import token_block
 from dlite.decoding.tree import Branch, branch_matches
 from dlite.models.common import recording_confidences
@@ -48,8 +53,9 @@ class _Proposers:
     """The proposers of one prompt (the learned drafter and each token drafter, with
     its own accepted-sequence state) and how their proposals are scored."""
 
-    def __init__(self, model, lookups, calibration: Optional[Calibration] = None, cost: Optional[CostCurve] = None,
-                 skip_model: bool = True, online_prior: Optional[float] = ONLINE_PRIOR):
+    def __init__(self, model, lookups, calibration: Optional[Calibration] = None,
+                 cost: Union[CostCurve, CostTable, None] = None, skip_model: bool = True,
+                 online_prior: Optional[float] = ONLINE_PRIOR):
         if model.needs_history:
             raise ValueError("the hybrid needs a history-free drafter: one with a history "
                              "cache would miss the positions of the rounds lookup drafts")
@@ -58,7 +64,9 @@ class _Proposers:
         if not sources or len(set(sources)) != len(sources):
             raise ValueError(f"a hybrid takes one token drafter per source, got {sources}")
         self.model, self.skip_model, self.online_prior = model, skip_model, online_prior
-        self.calibration, self.cost = calibration or Calibration(), cost or CostCurve()
+        self.calibration, self.costs = calibration or Calibration(), cost or CostCurve()
+        # The curve pricing the current round (`priced_at`: the one at its anchor).
+        self.cost = self.costs.at(0)
         # The learned drafter's typical block: fixed by the calibration, read every round;
         # and in rounds like the one it is in (no token proposal, or a weak, fair or
         # strong one), the typical block of such rounds where they were fitted apart
@@ -78,6 +86,11 @@ class _Proposers:
         online = dict(hits=0.0, expected=0.0, sure=0.0, typical=0.0)
         return dict(seq=[lk.new_state() for lk in self.lookups], model=self.model.new_state(), source=[],
                     online=online, pending=None, ran=False, first=None)
+
+    def priced_at(self, anchor_pos: int) -> None:
+        """Price this round by the cost curve at its anchor's position: the learned
+        drafter's draft is a larger share of a decode step on a short history."""
+        self.cost = self.costs.at(anchor_pos)
 
     def token_branches(self, state, anchor_id: int, anchor_pos: int, tree_nodes: int = 0) -> List[Branch]:
         """Every token drafter's proposal(s), each with its per-slot confidence features
@@ -227,6 +240,7 @@ class ChooseHybrid(_Proposers):
     def draft(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
               generator: Optional[torch.Generator] = None):
         self._observe_last(state, anchor_pos)
+        self.priced_at(anchor_pos)
         state["ran"], state["first"] = False, None
         tokens = self.token_branches(state, anchor_id, anchor_pos)
         options = [self._option(br) for br in tokens]
@@ -281,6 +295,7 @@ class TreeHybrid(_Proposers):
 
     def draft_tree(self, state, new_features, anchor_id: int, anchor_pos: int, temperature: float,
                    generator: Optional[torch.Generator] = None) -> tuple:
+        self.priced_at(anchor_pos)
         branches = self.token_branches(state, anchor_id, anchor_pos, tree_nodes=self.budget)
         sampled, state["ran"], state["first"] = temperature > 0, False, None
         # The learned drafter joins the tree only where it could add value or must judge

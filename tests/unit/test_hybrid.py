@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from dlite.config_schema import EvalConfig
-from dlite.decoding.calibration import (AGREE_FLOOR, BinnedMap, Calibration, CostCurve, Judge, expected_accepted,
-                                        fit, observations)
+from dlite.decoding.calibration import (AGREE_FLOOR, BinnedMap, Calibration, CostCurve, CostTable, Judge,
+                                        expected_accepted, fit, observations)
 from dlite.decoding.decode import plain_generate, speculative_generate
 from dlite.decoding.hybrid import ChooseHybrid, TreeHybrid
 from dlite.decoding.lookup import PromptLookupDrafter
@@ -346,7 +346,8 @@ def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     from dlite.decoding.replay import aggregate, replay_methods
     tm = tiny_target(vocab=len(tokenizer))
     drafter = dlite_drafter(tm, list(range(len(tokenizer))), gamma=4)
-    ev = OmegaConf.structured(EvalConfig(max_new_tokens=8, hybrids=["hybrid_lookup_tree", "hybrid_lookup_choose"]))
+    ev = OmegaConf.structured(EvalConfig(max_new_tokens=8, hybrids=["hybrid_lookup_tree", "hybrid_lookup_choose"],
+                                         cost_contexts=[64, 256]))
     assert list(calibration_builders(ev, drafter, len(tokenizer))) == ["calib_prompt_lookup"]
     cal = fit_calibration(tm, tokenizer, ev, drafter, len(tokenizer), [TRAJ])
     assert cal["fitted_on"]["records"] == ["t1"] and cal["fitted_on"]["slots"]["model"] > 0
@@ -374,15 +375,21 @@ def test_calibration_fits_on_replayed_turns_and_feeds_the_report(tokenizer):
     # and judged every lookup block by it.
     assert any(s.startswith("model_beside_") for s in cal["fitted_on"]["slots"])
     assert list(cal["judges"]) == ["lookup"] and cal["fitted_on"]["judged"]["lookup"] > 0
-    # The cost curve was measured on this target, one point per size, never decreasing,
-    # and the hybrids price verification by it.
+    # The cost curve was measured on this target at each context, one point per size,
+    # never decreasing, the drafter's draft priced at each; the hybrids price each round
+    # by the curve at its anchor (the middle context's is also the report's top level).
     cost = cal["cost"]
-    assert cost["tokens"] == [1, 2, 4, 8, 16, 32] and cost["costs"][0] == 1.0 and cost["decode_ms"] > 0
-    assert all(a <= b for a, b in zip(cost["costs"], cost["costs"][1:]))
-    assert set(cost["spread"]) == {"1", "2", "4", "8", "16", "32"} and cost["reps"] == 9
-    assert all(lo <= hi for lo, hi in cost["spread"].values()) and cost["spread"]["1"] == [1.0, 1.0]
-    measured = method_builders(ev, {"dlite": drafter}, len(tokenizer), cal)
-    assert measured["hybrid_lookup_tree"]()(TRAJ_IDS).cost.costs == tuple(cost["costs"])
+    assert [c["context"] for c in cost["by_context"]] == [64, 256] and cost["context"] == 256
+    assert cost["tokens"] == [1, 2, 4, 8, 16, 32] and cost["draft_ms"] > 0 and cost["reps"] == 9
+    for c in cost["by_context"]:
+        assert c["costs"][0] == 1.0 and c["decode_ms"] > 0 and c["draft"] > 0
+        assert all(a <= b for a, b in zip(c["costs"], c["costs"][1:]))
+        assert set(c["spread"]) == {"1", "2", "4", "8", "16", "32"}
+        assert all(lo <= hi for lo, hi in c["spread"].values()) and c["spread"]["1"] == [1.0, 1.0]
+    measured = method_builders(ev, {"dlite": drafter}, len(tokenizer), cal)["hybrid_lookup_tree"]()(TRAJ_IDS)
+    assert measured.costs.contexts == (64, 256)
+    assert measured.costs.at(300).costs == tuple(cost["costs"])
+    assert measured.costs.at(10).costs == tuple(cost["by_context"][0]["costs"])
     choose = aggregate(*raw["hybrid_lookup_choose"]["0.0"], a)
     assert choose["lossless"] is True and sum(f["rounds"] for f in choose["by_source"].values()) == choose["n_rounds"]
 
@@ -422,6 +429,7 @@ def test_timed_replay_runs_every_new_hybrid(tokenizer):
 @pytest.mark.parametrize("override,key", [("eval.verify_cost=[1.0,0.5,1.6,2.2]", "eval.verify_cost"),
                                           ("eval.verify_cost_tokens=[1,2]", "eval.verify_cost"),
                                           ("eval.tree_budget=0", "eval.tree_budget"),
+                                          ("eval.cost_contexts=[4096,1024]", "eval.cost_contexts"),
                                           ("eval.hybrids=[hybrid_lookup_forest]", "eval.hybrids")])
 def test_bad_hybrid_settings_fail_naming_the_key(override, key):
     from dlite.config import ConfigError, load_config
@@ -430,12 +438,53 @@ def test_bad_hybrid_settings_fail_naming_the_key(override, key):
 
 
 def test_the_cost_curve_falls_back_to_the_configured_one():
-    from dlite.decoding.calibrate import cost_context, cost_curve
+    """Without a measurement, the configured curve; a report from before the curves
+    per context (one curve at its top level) still reads back as that curve; measured
+    at several contexts, a table over them. Where it is measured: the reported turns'
+    range (its ends and middle, the short end at least 256 tokens, room left for the
+    largest verification within the target's positions), else 2048 alone."""
+    from dlite.decoding.calibrate import cost_contexts, cost_curve
     ev = OmegaConf.structured(EvalConfig())
     assert cost_curve(ev, None) == CostCurve((1, 2, 4, 8), (1.0, 1.4, 1.6, 2.2))
     assert cost_curve(ev, {"cost": {"tokens": [1, 4], "costs": [1.0, 1.3]}}) == CostCurve((1, 4), (1.0, 1.3))
-    assert cost_context(ev) == 2048
-    assert cost_context(OmegaConf.structured(EvalConfig(min_context=1024, max_context=8000))) == 4512
+    two = {"tokens": [1, 4], "costs": [1.0, 1.3], "by_context": [
+        {"context": 512, "costs": [1.0, 1.5], "draft": 0.2}, {"context": 4096, "costs": [1.0, 1.3], "draft": 0.1}]}
+    assert cost_curve(ev, {"cost": two}) == CostTable((512, 4096), (CostCurve((1, 4), (1.0, 1.5), 0.2),
+                                                                   CostCurve((1, 4), (1.0, 1.3), 0.1)))
+    assert cost_contexts(ev) == [2048]
+    assert cost_contexts(OmegaConf.structured(EvalConfig(min_context=1024, max_context=8000))) == [1024, 4512, 8000]
+    assert cost_contexts(OmegaConf.structured(EvalConfig(min_context=0, max_context=8000)), 8192) == [256, 4128, 8000]
+    assert cost_contexts(OmegaConf.structured(EvalConfig(max_context=100000)), 32768) == [256, 32736]
+    assert cost_contexts(OmegaConf.structured(EvalConfig(max_context=8000, cost_contexts=[600, 3000]))) == [600, 3000]
+
+
+def test_a_round_is_priced_by_the_curve_at_its_context(model):
+    """Between measured contexts every point and the draft cost are interpolated,
+    outside them the nearest curve holds. A draft that costs most of a step on a short
+    history (where a decode step is cheap) is not worth running there, and is on a long
+    one: the same drafter, calibration and token proposal, priced at its anchor."""
+    short, long = CostCurve((1, 8), (1.0, 3.0), 0.9), CostCurve((1, 8), (1.0, 2.0), 0.1)
+    table = CostTable((1000, 3000), (short, long))
+    assert table.at(0) == short and table.at(5000) == long and table.at(1000) == short
+    mid = table.at(2000)
+    assert mid.costs == (1.0, 2.5) and mid.draft == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="increase"):
+        CostTable((3000, 1000), (short, long))
+    with pytest.raises(ValueError, match="same token counts"):
+        CostTable((1000, 3000), (short, CostCurve((1, 4), (1.0, 1.5))))
+    cal = fit([{"source": "model", "feats": [0.95] * 4, "matched": 1}] * 20)
+    hybrid = ChooseHybrid(model, _lookup([1, 2, 3]), cal, table)
+    worth = []
+    for anchor in (500, 4000):
+        hybrid.priced_at(anchor)
+        worth.append(hybrid.model_worth_running(None))
+    assert worth == [False, True]
+    # draft() prices the round itself: with no proposal (token 9 never appears before)
+    # on the short history, a plain step without a draft; on the long one it drafts.
+    for n, ran, curve in ((500, False, short), (4000, True, long)):
+        hybrid = ChooseHybrid(model, _lookup([1 + k % 7 for k in range(n)]), cal, table)
+        tokens, _, state = hybrid.draft(hybrid.new_state(), torch.zeros(1, model.feature_dim), 9, n, 0.0)
+        assert state["ran"] is ran and hybrid.cost == curve and (ran or tokens.numel() == 0)
 
 
 def test_hybrid_vs_best_names_the_best_single_method_per_bucket():
