@@ -187,10 +187,10 @@ def curve_from_rounds(rounds: List[Dict[int, float]], sizes: Sequence[int]) -> L
 def draft_ms(target, drafter, reps: int = 5) -> float:
     """The median of `reps` greedy drafts of `drafter` as a hybrid runs it (each slot's
     confidence recorded, its own stop rule on) after an untimed one, from the features
-    of a short real prefill. Measured on the SmolLM2 main job's drafter (stop 58): 10.1
-    ms here against 7.5 ms (median; mean 8.5) over 19 anchors of a real held-out prompt,
-    where drafting every slot costs 19-22 ms. History-free: its cost does not grow with
-    the context. The median, as for the one-token forward it is divided by."""
+    of a short real prefill. On the SmolLM2 main job's drafter (stop 58): 9.05 ms here,
+    7.5 ms (median; mean 8.5) over 19 anchors of a real held-out prompt, 19-22 ms when
+    every slot is drafted. History-free: its cost does not grow with the context. The
+    median, as for the one-token forward it is divided by."""
     from dlite.decoding.decode import _new_state, prefill
     from dlite.models.common import recording_confidences
     ids = list(range(1, 33))
