@@ -201,7 +201,9 @@ def hybrid_vs_best(methods: Dict[str, dict]) -> Dict[str, dict]:
     """Per hybrid (a method named hybrid_*): its tau and speedup over the best single
     method's (every method not a hybrid) overall and per context bucket, which method
     that best one is, and whether it reaches it (ratio >= 1) everywhere on both --
-    the goal "a hybrid is never worse than its best part"."""
+    the goal "a hybrid is never worse than its best part"; where the methods carry
+    `task_times`, also `time`: its decode rate over the fastest single method's on the
+    same timed tasks (`_time_over_best`), and `time_ge_best_everywhere`."""
     single = [n for n in methods if not n.startswith("hybrid_")]
     out = {}
     for h in (n for n in methods if n.startswith("hybrid_")):
@@ -222,5 +224,40 @@ def hybrid_vs_best(methods: Dict[str, dict]) -> Dict[str, dict]:
             row[metric] = fig
         ratios = [f["ratio"] for m in row.values() for f in m.values()]
         row["ge_best_everywhere"] = bool(ratios) and all(r is not None and r >= 1.0 for r in ratios)
+        time = _time_over_best(methods, h, single)
+        if time:
+            row["time"] = time
+            row["time_ge_best_everywhere"] = all(f["ratio"] >= 1.0 for f in time.values())
         out[h] = row
     return out
+
+
+def _time_over_best(methods: Dict[str, dict], h: str, single: List[str]) -> dict:
+    """The hybrid's decode tokens per second over the fastest single method's, on the
+    timed tasks every one of them ran (`task_times`), overall and per bucket: the same
+    turns and, greedy and lossless, the same tokens, so the ratio reads the methods'
+    own decode times only -- a speedup ratio also carries the noise of the separate
+    plain run each method's is divided by. {} when a method has no task times."""
+    timed = [n for n in single if methods[n].get("task_times")]
+    if not methods[h].get("task_times") or not timed:
+        return {}
+    keys = set.intersection(*({(t["id"], t["turn"]) for t in methods[n]["task_times"]} for n in [h, *timed]))
+    rates = {n: _rates(methods[n]["task_times"], keys) for n in [h, *timed]}
+    out = {}
+    for b, v in rates[h].items():
+        rivals = {n: rates[n][b] for n in timed if b in rates[n]}
+        best = max(rivals, key=rivals.get)
+        out[b] = {"ratio": round(v / rivals[best], 4), "best": best, "best_value": round(rivals[best], 4),
+                  "value": round(v, 4)}
+    return out
+
+
+def _rates(tasks: List[dict], keys: set) -> Dict[str, float]:
+    """Decode tokens per second over the tasks in `keys`, overall ("all") and per bucket."""
+    sums: Dict[str, list] = {}
+    for t in tasks:
+        if (t["id"], t["turn"]) in keys:
+            for b in ("all", t["bucket"]):
+                s = sums.setdefault(b, [0, 0.0])
+                s[0], s[1] = s[0] + t["tokens"], s[1] + t["spec_ms"]
+    return {b: 1000.0 * tok / ms for b, (tok, ms) in sums.items() if ms > 0}

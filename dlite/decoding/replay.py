@@ -229,6 +229,10 @@ def aggregate(results: List[dict], skipped: int, a: EvalArgs) -> dict:
         "speedup_vs_ar_lower": spread["lower_bound"],
         "speedup_vs_ar_by_bucket": {k: metrics.speedup_vs_ar(*_speed(by_ctx[k]).values())
                                     for k in order if k in by_ctx},
+        # Each task's decode: what compares methods on the same turns directly, without
+        # the plain runs each one's speedup is divided by (`metrics.hybrid_vs_best`).
+        "task_times": [{"id": r["id"], "turn": r["turn"], "bucket": metrics.bucket_of(r["context_len"], a.buckets),
+                        "tokens": _tokens(r, "spec"), "spec_ms": round(r["spec_ms"], 3)} for r in results],
         "tokens_per_s": {**tps, "spec_e2e": tps_e2e["spec"], "plain_e2e": tps_e2e["plain"]},
         # Sampled outputs cannot be compared token by token; the unit tests check the
         # sampling rule's distribution instead.

@@ -41,7 +41,7 @@ from pipelines.stages.evaluate_calibration import hybrid_calibration
 METHOD_ORDER = ("dlite", "dlite_no_teacher", "teacher", "dspark")
 # Taken from the dedicated speed replay, not from the parallel acceptance replay.
 SPEED_KEYS = ("speedup_vs_ar", "speedup_vs_ar_e2e", "speedup_vs_ar_by_bucket", "tokens_per_s", "time_split",
-              "speedup_vs_ar_spread", "speedup_vs_ar_lower")
+              "speedup_vs_ar_spread", "speedup_vs_ar_lower", "task_times")
 REPORT = "report.json"
 QUARANTINE_LISTED = 200  # quarantine entries the report lists (all are counted)
 
@@ -272,9 +272,9 @@ def metric_items(report: dict) -> dict:
         out[f"{name}.lossless"] = float(bool(m["lossless"]))
         out[f"{name}.lossless_up_to_ties"] = float(bool(m.get("lossless_up_to_ties", m["lossless"])))
     for h, row in (report.get("hybrid_vs_best") or {}).items():  # over the best single method
-        for metric in ("tau", "speedup"):
+        for metric in ("tau", "speedup", "time"):
             out.update({f"{h}.over_best.{metric}.{metric_label(b)}": f["ratio"]
-                        for b, f in row[metric].items() if f["ratio"] is not None})
+                        for b, f in (row.get(metric) or {}).items() if f["ratio"] is not None})
     if report.get("throughput"):
         from pipelines.stages.evaluate_throughput import metric_items as throughput_items
         out.update(throughput_items(report["throughput"], "throughput."))

@@ -84,6 +84,9 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
     for row in rep["hybrid_vs_best"].values():
         assert {"all"} <= set(row["tau"]) and row["tau"]["all"]["best"] in ("dlite", "baseline", "prompt_lookup", "suffix")
         assert isinstance(row["ge_best_everywhere"], bool)
+        # and by decode time on the same timed turns (the speed worker's, one per timed task)
+        assert row["time"]["all"]["ratio"] > 0 and isinstance(row["time_ge_best_everywhere"], bool)
+    assert len(rep["methods"]["dlite"]["task_times"]) == rep["methods"]["dlite"]["speed_tasks"] == 3
     assert rep["calibration"]["fitted_on"]["methods"] == ["calib_prompt_lookup", "calib_suffix"]
     assert rep["calibration"]["cost"]["costs"][0] == 1.0 and rep["calibration"]["cost"]["decode_ms"] > 0
     # eval.concurrency: every method batched at 1 and 3 concurrent requests, closed loop
@@ -111,6 +114,8 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
     assert run.data.metrics["hybrid_suffix.lossless"] == 1.0
     assert run.data.metrics["hybrid_lookup_suffix_choose.over_best.tau.all"] == pytest.approx(
         rep["hybrid_vs_best"]["hybrid_lookup_suffix_choose"]["tau"]["all"]["ratio"])
+    assert run.data.metrics["hybrid_lookup_suffix_choose.over_best.time.all"] == pytest.approx(
+        rep["hybrid_vs_best"]["hybrid_lookup_suffix_choose"]["time"]["all"]["ratio"])
     assert run.data.metrics["throughput.dlite.c3.tau"] == pytest.approx(tp["methods"]["dlite"]["3"]["tau"])
     arts = {a.path for a in c.list_artifacts(run.info.run_id, "evaluation")}
     assert {"evaluation/report.json", "evaluation/accept_at_k.png", "evaluation/tau_by_bucket.png"} <= arts

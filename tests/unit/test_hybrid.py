@@ -502,6 +502,28 @@ def test_hybrid_vs_best_names_the_best_single_method_per_bucket():
     assert row["ge_best_everywhere"] is False  # 1K-4K tau is short
     m["hybrid_lookup_suffix_choose"]["tau_by_bucket"]["1K-4K"] = 2.7
     assert hybrid_vs_best(m)["hybrid_lookup_suffix_choose"]["ge_best_everywhere"] is True
+    assert "time" not in hybrid_vs_best(m)["hybrid_lookup_suffix_choose"]  # no task times: no direct figures
+
+
+def test_hybrid_vs_best_compares_decode_times_on_the_same_tasks():
+    """With each method's timed tasks: the hybrid's decode rate over the fastest single
+    method's per bucket, on the tasks all of them ran (a task only one ran is left out),
+    beside the speedups and not part of `ge_best_everywhere`."""
+    from dlite.decoding.metrics import hybrid_vs_best
+
+    def times(*ms):  # tasks a (<1K), b (<1K), c (1K-4K), 10 tokens each
+        return [{"id": i, "turn": 0, "bucket": b, "tokens": 10, "spec_ms": x}
+                for i, b, x in zip("abcd", ["<1K", "<1K", "1K-4K", "1K-4K"], ms)]
+    figs = {"tau": 2.0, "speedup_vs_ar": 1.5}
+    m = {"dlite": {**figs, "task_times": times(100.0, 100.0, 400.0)},
+         "suffix": {**figs, "task_times": times(200.0, 200.0, 100.0, 50.0)},
+         "hybrid_suffix_tree": {**figs, "task_times": times(80.0, 120.0, 125.0)}}
+    row = hybrid_vs_best(m)["hybrid_suffix_tree"]
+    assert row["time"]["<1K"]["best"] == "dlite" and row["time"]["<1K"]["ratio"] == 1.0
+    assert row["time"]["1K-4K"] == {"ratio": 0.8, "best": "suffix", "best_value": 100.0, "value": 80.0}
+    assert row["time"]["all"]["best"] == "suffix"  # 30 tokens in 500 ms against dlite's 600
+    assert row["time"]["all"]["ratio"] == pytest.approx(500 / 325, abs=1e-4)
+    assert row["time_ge_best_everywhere"] is False and row["ge_best_everywhere"] is True
 
 
 def test_the_learned_drafter_runs_only_where_its_typical_block_could_win(model):
