@@ -206,18 +206,17 @@ def draft_ms(target, drafter, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def measure_cost(target, contexts, sizes: Sequence[int] = COST_SIZES, reps: int = 9,
+def measure_cost(target, contexts: Sequence[int], sizes: Sequence[int] = COST_SIZES, reps: int = 9,
                  threads: int = None, drafter=None) -> dict:
-    """The verify-cost curve measured here after a prefill of each of `contexts` (one
-    int: that one), with `threads` torch threads (the timed replay's: how a forward's
-    cost grows with its tokens depends on the threads it spreads over): {"tokens",
+    """The verify-cost curve measured here after a prefill of each of `contexts`, with
+    `threads` torch threads (the timed replay's: how a forward's cost grows with its
+    tokens depends on the threads it spreads over): {"tokens",
     "by_context": per context {"context", "costs" (decode steps, `curve_from_rounds`),
     "draft" (one draft of `drafter` in decode steps there; 0 without one), "decode_ms"
     (the median one-token forward), "spread" (per size, the smallest and largest
     per-round ratio: how far one round's curve could have strayed)}, "draft_ms",
     "reps", "threads", and the middle context's entry at the top level (one curve's
     readers)}; `cost_curve` makes the `CostTable` (or `CostCurve`)."""
-    contexts = [contexts] if isinstance(contexts, int) else list(contexts)
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:

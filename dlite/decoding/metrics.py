@@ -217,10 +217,7 @@ def hybrid_vs_best(methods: Dict[str, dict]) -> Dict[str, dict]:
                 rivals = {n: x for n, x in rivals.items() if x is not None}
                 if v is None or not rivals:
                     continue
-                best = max(rivals, key=rivals.get)
-                r = ratio(v, rivals[best])
-                fig[b] = {"ratio": None if r is None else round(r, 4), "best": best, "best_value": round(rivals[best], 4),
-                          "value": round(v, 4)}
+                fig[b] = _over_best(v, rivals)
             row[metric] = fig
         ratios = [f["ratio"] for m in row.values() for f in m.values()]
         row["ge_best_everywhere"] = bool(ratios) and all(r is not None and r >= 1.0 for r in ratios)
@@ -243,13 +240,15 @@ def _time_over_best(methods: Dict[str, dict], h: str, single: List[str]) -> dict
         return {}
     keys = set.intersection(*({(t["id"], t["turn"]) for t in methods[n]["task_times"]} for n in [h, *timed]))
     rates = {n: _rates(methods[n]["task_times"], keys) for n in [h, *timed]}
-    out = {}
-    for b, v in rates[h].items():
-        rivals = {n: rates[n][b] for n in timed if b in rates[n]}
-        best = max(rivals, key=rivals.get)
-        out[b] = {"ratio": round(v / rivals[best], 4), "best": best, "best_value": round(rivals[best], 4),
-                  "value": round(v, 4)}
-    return out
+    return {b: _over_best(v, {n: rates[n][b] for n in timed if b in rates[n]}) for b, v in rates[h].items()}
+
+
+def _over_best(value: float, rivals: Dict[str, float]) -> dict:
+    """`value` over the largest of `rivals` ({method: figure}): {ratio, best, best_value, value}."""
+    best = max(rivals, key=rivals.get)
+    r = ratio(value, rivals[best])
+    return {"ratio": None if r is None else round(r, 4), "best": best, "best_value": round(rivals[best], 4),
+            "value": round(value, 4)}
 
 
 def _rates(tasks: List[dict], keys: set) -> Dict[str, float]:
