@@ -62,6 +62,7 @@ MODEL_BESIDE = ("model_beside_weak", "model_beside_fair", "model_beside_strong")
 PROB_EDGES = tuple(round(0.1 * i, 1) for i in range(1, 10))  # 10 bins over [0, 1]
 MATCH_EDGES = (2, 3, 4, 5, 6, 8)  # match length 1, 2, ..., 6-7, 8+
 DEPTH_EDGES = (1, 2, 4)  # slot 0, 1, 2-3, 4+
+DEPTH_LABELS = ("slot 0", "slot 1", "slots 2-3", "slots 4+")
 
 
 def depth_bin(k: int) -> int:
@@ -272,6 +273,34 @@ def fit(branch_records: Iterable[dict], fitted_on: dict = None) -> Calibration:
     if judged:
         fitted_on["judged"] = {s: len(v) for s, v in judged.items()}
     return Calibration(maps, fitted_on, by_depth, judges)
+
+
+def reliability(calibration: "Calibration", rounds: Iterable[dict]) -> Optional[dict]:
+    """Whether the calibration fitted on validation turns holds on other turns: per
+    source and depth bin, over every slot a tree round's branch reached (slots 0 to its
+    first miss, as `observations`), the slots, the mean calibrated P(accepted | slots
+    before) -- the calibration's own, before a hybrid's per-request correction of the
+    learned drafter -- and the share the target accepted; `ratio` observed / predicted.
+    None without tree rounds (a choose round verifies one proposal, cut to its chosen
+    prefix: no counterfactual slots)."""
+    sums: Dict[str, Dict[str, List[float]]] = {}
+    for r in rounds:
+        for b in r.get("branches") or []:
+            feats, m = b["feats"], b["matched"]
+            for k in range(min(m + 1, b["n"], len(feats))):
+                cell = sums.setdefault(b["source"], {}).setdefault(DEPTH_LABELS[depth_bin(k)], [0, 0.0, 0])
+                cell[0] += 1
+                cell[1] += calibration.prob(b["source"], feats[k], k, b.get("agree"))
+                cell[2] += int(k < m)
+    if not sums:
+        return None
+    out = {}
+    for src, cells in sorted(sums.items()):
+        cells = {"all": [sum(c[i] for c in cells.values()) for i in range(3)], **cells}
+        out[src] = {lab: {"slots": n, "predicted": round(ps / n, 4), "observed": round(h / n, 4),
+                          "ratio": round(h / ps, 4) if ps > 0 else None}
+                    for lab, (n, ps, h) in cells.items()}
+    return out
 
 
 def model_context(strength) -> str:

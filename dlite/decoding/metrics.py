@@ -203,7 +203,9 @@ def hybrid_vs_best(methods: Dict[str, dict]) -> Dict[str, dict]:
     that best one is, and whether it reaches it (ratio >= 1) everywhere on both --
     the goal "a hybrid is never worse than its best part"; where the methods carry
     `task_times`, also `time`: its decode rate over the fastest single method's on the
-    same timed tasks (`_time_over_best`), and `time_ge_best_everywhere`."""
+    same timed tasks (`_time_over_best`, with a paired bootstrap interval), and
+    `time_ge_best_everywhere` and `time_behind` (the buckets whose whole interval is
+    under 1)."""
     single = [n for n in methods if not n.startswith("hybrid_")]
     out = {}
     for h in (n for n in methods if n.startswith("hybrid_")):
@@ -225,6 +227,8 @@ def hybrid_vs_best(methods: Dict[str, dict]) -> Dict[str, dict]:
         if time:
             row["time"] = time
             row["time_ge_best_everywhere"] = all(f["ratio"] >= 1.0 for f in time.values())
+            # behind beyond the turns' spread: the whole bootstrap interval under 1
+            row["time_behind"] = sorted(b for b, f in time.items() if f["upper_bound"] is not None and f["upper_bound"] < 1.0)
         out[h] = row
     return out
 
@@ -234,13 +238,36 @@ def _time_over_best(methods: Dict[str, dict], h: str, single: List[str]) -> dict
     timed tasks every one of them ran (`task_times`), overall and per bucket: the same
     turns and, greedy and lossless, the same tokens, so the ratio reads the methods'
     own decode times only -- a speedup ratio also carries the noise of the separate
-    plain run each method's is divided by. {} when a method has no task times."""
+    plain run each method's is divided by. Each figure also has a paired bootstrap
+    interval (`_time_interval`). {} when a method has no task times."""
     timed = [n for n in single if methods[n].get("task_times")]
     if not methods[h].get("task_times") or not timed:
         return {}
     keys = set.intersection(*({(t["id"], t["turn"]) for t in methods[n]["task_times"]} for n in [h, *timed]))
-    rates = {n: _rates(methods[n]["task_times"], keys) for n in [h, *timed]}
-    return {b: _over_best(v, {n: rates[n][b] for n in timed if b in rates[n]}) for b, v in rates[h].items()}
+    times = {n: _task_table(methods[n]["task_times"], keys) for n in [h, *timed]}
+    rates = {n: _rates(times[n]) for n in [h, *timed]}
+    out = {b: _over_best(v, {n: rates[n][b] for n in timed if b in rates[n]}) for b, v in rates[h].items()}
+    return {b: {**f, **_time_interval(times[h], times[f["best"]], b)} for b, f in out.items()}
+
+
+def _time_interval(mine: Dict[tuple, tuple], best: Dict[tuple, tuple], bucket: str) -> dict:
+    """How far the decode-time ratio could move with other turns of the same kind: its
+    5th and 95th percentiles over bootstrap resamples of the bucket's timed tasks, the
+    same resampled tasks for the hybrid and the best single method (paired). A bucket
+    whose upper bound is under 1 is behind its best part beyond what these turns'
+    spread explains; one whose interval holds 1 cannot tell. Fewer than 3 tasks: no
+    interval."""
+    keys = sorted(k for k, v in mine.items() if bucket in ("all", v[2]))
+    if len(keys) < 3:
+        return {"lower_bound": None, "upper_bound": None, "n_tasks": len(keys)}
+    rng, boot = random.Random(BOOTSTRAP_SEED), []
+    for _ in range(BOOTSTRAP_RESAMPLES):
+        pick = [rng.choice(keys) for _ in keys]
+        rival = _rate([best[k] for k in pick])
+        boot.append(_rate([mine[k] for k in pick]) / rival if rival > 0 else float("inf"))
+    boot.sort()
+    return {"lower_bound": round(boot[int(LOWER_QUANTILE * len(boot))], 4),
+            "upper_bound": round(boot[int((1 - LOWER_QUANTILE) * len(boot)) - 1], 4), "n_tasks": len(keys)}
 
 
 def _over_best(value: float, rivals: Dict[str, float]) -> dict:
@@ -251,12 +278,22 @@ def _over_best(value: float, rivals: Dict[str, float]) -> dict:
             "value": round(value, 4)}
 
 
-def _rates(tasks: List[dict], keys: set) -> Dict[str, float]:
-    """Decode tokens per second over the tasks in `keys`, overall ("all") and per bucket."""
-    sums: Dict[str, list] = {}
-    for t in tasks:
-        if (t["id"], t["turn"]) in keys:
-            for b in ("all", t["bucket"]):
-                s = sums.setdefault(b, [0, 0.0])
-                s[0], s[1] = s[0] + t["tokens"], s[1] + t["spec_ms"]
-    return {b: 1000.0 * tok / ms for b, (tok, ms) in sums.items() if ms > 0}
+def _task_table(tasks: List[dict], keys: set) -> Dict[tuple, tuple]:
+    """{(id, turn): (tokens, decode ms, bucket)} of the tasks in `keys`."""
+    return {(t["id"], t["turn"]): (t["tokens"], t["spec_ms"], t["bucket"]) for t in tasks
+            if (t["id"], t["turn"]) in keys}
+
+
+def _rate(rows: List[tuple]) -> float:
+    """Decode tokens per second over (tokens, ms, ...) rows; 0 without time."""
+    ms = sum(r[1] for r in rows)
+    return 1000.0 * sum(r[0] for r in rows) / ms if ms > 0 else 0.0
+
+
+def _rates(table: Dict[tuple, tuple]) -> Dict[str, float]:
+    """Decode tokens per second over a `_task_table`, overall ("all") and per bucket."""
+    groups: Dict[str, list] = {}
+    for row in table.values():
+        for b in ("all", row[2]):
+            groups.setdefault(b, []).append(row)
+    return {b: _rate(rows) for b, rows in groups.items() if sum(r[1] for r in rows) > 0}

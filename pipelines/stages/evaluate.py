@@ -29,7 +29,7 @@ report's `lossless_up_to_ties`) for a bf16 one (`dlite.decoding.ties.lossless_ve
 
 import json
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import ray
 from omegaconf import OmegaConf
@@ -206,6 +206,7 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     names = [*drafters, *ctx, *cfg.eval.baselines, *cfg.eval.hybrids]  # as `method_builders` orders them
     methods = {name: {**_method_report(cfg, name, parts, speed, temps), "drafter": drafters.get(name)}
                for name in names}
+    _add_reliability(cfg, methods, parts, calibration, temps)
     primary = next(iter(methods))
     keep = ("tau", "accept_at_k", "tau_by_bucket", "accept_at_k_by_bucket", "speedup_vs_ar",
             "speedup_vs_ar_by_bucket", "draft_ms_by_bucket", "draft_cache_bytes_by_bucket",
@@ -221,6 +222,28 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
             "calibration": calibration, **({"throughput": throughput} if throughput else {}),
             **({"hybrid_vs_best": hybrid_vs_best(methods)} if cfg.eval.hybrids else {}),
             "config": conf, "env": env_info()}
+
+
+def _add_reliability(cfg, methods: dict, parts: list, calibration: Optional[dict], temps: list) -> None:
+    """Each tree hybrid's `calibration_reliability` on the reported turns (greedy, the
+    acceptance replay's rounds; `dlite.decoding.calibration.reliability`), overall and
+    per context bucket: the calibration was fitted on other turns, and a source whose
+    acceptance it overstates makes the hybrid verify what then fails."""
+    if not calibration or 0.0 not in temps:
+        return
+    from dlite.decoding.calibration import Calibration, reliability
+    from dlite.decoding.metrics import bucket_of
+    cal, buckets = Calibration.from_dict(calibration), tuple(cfg.eval.buckets)
+    for name in cfg.eval.hybrids:
+        rounds = [r for p in parts for res in p[name]["0.0"][0] for r in res["rounds"]]
+        rel = reliability(cal, rounds)
+        if rel is None:
+            continue
+        by_bucket: Dict[str, list] = {}
+        for r in rounds:
+            by_bucket.setdefault(bucket_of(r["context_len"], buckets), []).append(r)
+        per = {b: reliability(cal, rs) for b, rs in by_bucket.items()}
+        methods[name]["calibration_reliability"] = {"all": rel, **{b: x for b, x in per.items() if x}}
 
 
 def _context_vocab_methods(cfg, drafters: Dict[str, str]) -> list:
@@ -275,6 +298,12 @@ def metric_items(report: dict) -> dict:
         for metric in ("tau", "speedup", "time"):
             out.update({f"{h}.over_best.{metric}.{metric_label(b)}": f["ratio"]
                         for b, f in (row.get(metric) or {}).items() if f["ratio"] is not None})
+        rel = (report["methods"].get(h) or {}).get("calibration_reliability") or {}
+        out.update({f"{h}.calibration_ratio.{src}": c["all"]["ratio"]
+                    for src, c in (rel.get("all") or {}).items() if c["all"]["ratio"] is not None})
+        for bound in ("lower_bound", "upper_bound"):  # the decode-time ratio's bootstrap interval
+            out.update({f"{h}.over_best.time_{bound}.{metric_label(b)}": f[bound]
+                        for b, f in (row.get("time") or {}).items() if f.get(bound) is not None})
     if report.get("throughput"):
         from pipelines.stages.evaluate_throughput import metric_items as throughput_items
         out.update(throughput_items(report["throughput"], "throughput."))

@@ -45,13 +45,14 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
                         "--drafter", f"baseline={dirs['dspark']}", "--out", str(out),
                         "eval.n_trajectories=2", "eval.max_turns=3", "eval.max_new_tokens=24",
                         "eval.temperatures=[0.0,1.0]", "eval.speed_trajectories=1",
-                        "eval.baselines=[prompt_lookup,suffix]", "eval.hybrids=[hybrid_suffix,hybrid_lookup_suffix_choose]",
+                        "eval.baselines=[prompt_lookup,suffix]",
+                        "eval.hybrids=[hybrid_suffix,hybrid_lookup_suffix_choose,hybrid_lookup_suffix_tree]",
                         "eval.concurrency=[1,3]", "eval.concurrency_requests=5",
                         f"tracking.uri={mlflow_server}", "tracking.experiment=evaluate-cli"],
                        cwd=repo_root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rep = json.loads(out.read_text())
-    hybrids = ["hybrid_suffix", "hybrid_lookup_suffix_choose"]
+    hybrids = ["hybrid_suffix", "hybrid_lookup_suffix_choose", "hybrid_lookup_suffix_tree"]
     assert list(rep["methods"]) == ["dlite", "baseline", "prompt_lookup", "suffix", *hybrids]
     assert rep["primary"] == "dlite" and rep["methods"]["suffix"]["drafter"] is None
     for m in rep["methods"].values():
@@ -86,7 +87,17 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
         assert isinstance(row["ge_best_everywhere"], bool)
         # and by decode time on the same timed turns (the speed worker's, one per timed task)
         assert row["time"]["all"]["ratio"] > 0 and isinstance(row["time_ge_best_everywhere"], bool)
+        # 3 timed turns: a paired bootstrap interval of the overall ratio
+        assert 0 < row["time"]["all"]["lower_bound"] <= row["time"]["all"]["upper_bound"]
+        assert isinstance(row["time_behind"], list)
     assert len(rep["methods"]["dlite"]["task_times"]) == rep["methods"]["dlite"]["speed_tasks"] == 3
+    # The tree's rounds say whether the calibration fitted on validation turns holds on
+    # the reported ones: per source, the slots its branches reached, predicted and seen.
+    rel = rep["methods"]["hybrid_lookup_suffix_tree"]["calibration_reliability"]
+    assert set(rel["all"]) <= {"lookup", "suffix", "model"} and rel["all"]
+    for cells in rel["all"].values():
+        assert cells["all"]["slots"] > 0 and 0 <= cells["all"]["observed"] <= 1 and 0 < cells["all"]["predicted"] <= 1
+    assert "calibration_reliability" not in rep["methods"]["hybrid_lookup_suffix_choose"]  # no branches verified
     assert rep["calibration"]["fitted_on"]["methods"] == ["calib_prompt_lookup", "calib_suffix"]
     assert rep["calibration"]["cost"]["costs"][0] == 1.0 and rep["calibration"]["cost"]["decode_ms"] > 0
     # eval.concurrency: every method batched at 1 and 3 concurrent requests, closed loop
@@ -116,6 +127,11 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
         rep["hybrid_vs_best"]["hybrid_lookup_suffix_choose"]["tau"]["all"]["ratio"])
     assert run.data.metrics["hybrid_lookup_suffix_choose.over_best.time.all"] == pytest.approx(
         rep["hybrid_vs_best"]["hybrid_lookup_suffix_choose"]["time"]["all"]["ratio"])
+    src = next(iter(rel["all"]))
+    assert run.data.metrics[f"hybrid_lookup_suffix_tree.calibration_ratio.{src}"] == pytest.approx(
+        rel["all"][src]["all"]["ratio"])
+    assert run.data.metrics["hybrid_lookup_suffix_choose.over_best.time_lower_bound.all"] == pytest.approx(
+        rep["hybrid_vs_best"]["hybrid_lookup_suffix_choose"]["time"]["all"]["lower_bound"])
     assert run.data.metrics["throughput.dlite.c3.tau"] == pytest.approx(tp["methods"]["dlite"]["3"]["tau"])
     arts = {a.path for a in c.list_artifacts(run.info.run_id, "evaluation")}
     assert {"evaluation/report.json", "evaluation/accept_at_k.png", "evaluation/tau_by_bucket.png"} <= arts

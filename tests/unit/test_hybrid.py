@@ -520,10 +520,64 @@ def test_hybrid_vs_best_compares_decode_times_on_the_same_tasks():
          "hybrid_suffix_tree": {**figs, "task_times": times(80.0, 120.0, 125.0)}}
     row = hybrid_vs_best(m)["hybrid_suffix_tree"]
     assert row["time"]["<1K"]["best"] == "dlite" and row["time"]["<1K"]["ratio"] == 1.0
-    assert row["time"]["1K-4K"] == {"ratio": 0.8, "best": "suffix", "best_value": 100.0, "value": 80.0}
+    assert row["time"]["1K-4K"] == {"ratio": 0.8, "best": "suffix", "best_value": 100.0, "value": 80.0,
+                                    "lower_bound": None, "upper_bound": None, "n_tasks": 1}
     assert row["time"]["all"]["best"] == "suffix"  # 30 tokens in 500 ms against dlite's 600
     assert row["time"]["all"]["ratio"] == pytest.approx(500 / 325, abs=1e-4)
     assert row["time_ge_best_everywhere"] is False and row["ge_best_everywhere"] is True
+
+
+def test_the_decode_time_comparison_has_a_paired_bootstrap_interval():
+    """Per bucket the 5th-95th percentile of the hybrid's rate over the best single
+    method's, tasks resampled together for both: a hybrid faster on every turn has its
+    whole interval above 1, one slower on every turn is `time_behind` there, one
+    faster on some turns and slower on others cannot tell (the interval holds 1), and
+    turns that are noisy for both methods alike (paired) leave a narrow interval."""
+    from dlite.decoding.metrics import hybrid_vs_best
+
+    def times(ms, bucket):
+        return [{"id": f"{bucket}{i}", "turn": 0, "bucket": bucket, "tokens": 48, "spec_ms": x}
+                for i, x in enumerate(ms)]
+    slow = [100.0, 300.0, 150.0, 600.0, 200.0, 90.0]  # turns of very different cost
+    suffix = times(slow, "<1K") + times(slow, "1K-4K") + times(slow, "4K-8K")
+    hybrid = (times([x * 0.9 for x in slow], "<1K")  # faster on every turn
+              + times([x * 1.1 for x in slow], "1K-4K")  # slower on every turn
+              + times([x * f for x, f in zip(slow, [0.6, 1.5, 0.7, 1.3, 0.8, 1.4])], "4K-8K"))
+    m = {"suffix": {"tau": 2.0, "task_times": suffix}, "hybrid_suffix_tree": {"tau": 2.5, "task_times": hybrid}}
+    row = hybrid_vs_best(m)["hybrid_suffix_tree"]
+    t = row["time"]
+    assert t["<1K"]["lower_bound"] == pytest.approx(1 / 0.9, abs=1e-3)  # the same ratio on every turn
+    assert t["<1K"]["upper_bound"] == pytest.approx(1 / 0.9, abs=1e-3)
+    assert t["1K-4K"]["upper_bound"] < 1.0 and t["1K-4K"]["n_tasks"] == 6
+    assert t["4K-8K"]["lower_bound"] < 1.0 < t["4K-8K"]["upper_bound"]
+    assert t["4K-8K"]["lower_bound"] <= t["4K-8K"]["ratio"] <= t["4K-8K"]["upper_bound"]
+    assert row["time_behind"] == ["1K-4K"] and row["time_ge_best_everywhere"] is False
+    assert t["all"]["n_tasks"] == 18
+
+
+def test_calibration_reliability_compares_predicted_and_observed_slots():
+    """Per source and depth bin, over the slots each tree branch reached (0 to its first
+    miss), the calibration's mean P(accepted) beside the share the target accepted;
+    slots past a branch's kept tokens and rounds without branches are not counted."""
+    from dlite.decoding.calibration import Calibration, reliability
+    cal = Calibration()
+    rounds = [{"branches": [{"source": "suffix", "n": 2, "matched": 1, "feats": [0.8, 0.5]},
+                            {"source": "lookup", "n": 3, "matched": 3, "feats": [3.0, 3.0, 3.0]},
+                            {"source": "model", "n": 1, "matched": 0, "feats": [0.9, 0.9, 0.9]}]},
+              {"branches": [{"source": "suffix", "n": 1, "matched": 0, "feats": [0.3]}]},
+              {"accepted": 2}]  # a choose round: no branches
+    rel = reliability(cal, rounds)
+    sfx = rel["suffix"]
+    assert sfx["slot 0"]["slots"] == 2 and sfx["slot 0"]["observed"] == 0.5
+    assert sfx["slot 0"]["predicted"] == pytest.approx((cal.prob("suffix", 0.8, 0) + cal.prob("suffix", 0.3, 0)) / 2,
+                                                       abs=1e-4)
+    assert sfx["slot 1"] == {"slots": 1, "predicted": pytest.approx(cal.prob("suffix", 0.5, 1), abs=1e-4),
+                             "observed": 0.0, "ratio": 0.0}
+    assert sfx["all"]["slots"] == 3 and sfx["all"]["observed"] == pytest.approx(1 / 3, abs=1e-4)
+    assert rel["lookup"]["slots 2-3"]["slots"] == 1 and rel["lookup"]["all"]["observed"] == 1.0
+    assert rel["lookup"]["all"]["ratio"] > 1.0  # every lookup slot held, each predicted below 1
+    assert rel["model"]["all"]["slots"] == 1  # one kept token: its two other slots were never verified
+    assert reliability(cal, [{"accepted": 1}]) is None
 
 
 def test_the_learned_drafter_runs_only_where_its_typical_block_could_win(model):
