@@ -228,7 +228,8 @@ def hybrid_vs_best(methods: Dict[str, dict]) -> Dict[str, dict]:
             row["time"] = time
             row["time_ge_best_everywhere"] = all(f["ratio"] >= 1.0 for f in time.values())
             # behind beyond the turns' spread: the whole bootstrap interval under 1
-            row["time_behind"] = sorted(b for b, f in time.items() if f["upper_bound"] is not None and f["upper_bound"] < 1.0)
+            row["time_behind"] = sorted(b for b, f in time.items()
+                                        if f["upper_bound"] is not None and f["upper_bound"] < 1.0)
         out[h] = row
     return out
 
