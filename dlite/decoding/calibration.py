@@ -191,13 +191,19 @@ class Calibration:
         return cls(maps, d.get("fitted_on"), by_depth, judges)
 
 
+def reached_slots(branch: dict) -> List[Tuple[float, bool, int]]:
+    """(feature, accepted, slot) per slot a branch record reached: slots 0..matched (the
+    first miss included), each accepted iff before the miss; never past its features
+    or its verified tokens (`n`)."""
+    feats, m = branch["feats"], branch["matched"]
+    return [(feats[k], k < m, k) for k in range(min(m + 1, len(feats), branch.get("n", len(feats))))]
+
+
 def observations(branch_records: Iterable[dict]) -> Dict[str, List[Tuple[float, bool, int]]]:
-    """(feature, accepted, slot) per slot a branch reached: slots 0..matched (the first
-    miss included), each accepted iff before the miss."""
+    """Every branch record's `reached_slots`, per source."""
     out: Dict[str, List[Tuple[float, bool, int]]] = {}
     for b in branch_records:
-        n, m = len(b["feats"]), b["matched"]
-        out.setdefault(b["source"], []).extend((b["feats"][k], k < m, k) for k in range(min(m + 1, n)))
+        out.setdefault(b["source"], []).extend(reached_slots(b))
     return out
 
 
@@ -277,21 +283,20 @@ def fit(branch_records: Iterable[dict], fitted_on: dict = None) -> Calibration:
 
 def reliability(calibration: "Calibration", rounds: Iterable[dict]) -> Optional[dict]:
     """Whether the calibration fitted on validation turns holds on other turns: per
-    source and depth bin, over every slot a tree round's branch reached (slots 0 to its
-    first miss, as `observations`), the slots, the mean calibrated P(accepted | slots
-    before) -- the calibration's own, before a hybrid's per-request correction of the
+    source and depth bin, over every slot a tree round's branch reached
+    (`reached_slots`, as the fit reads them), the slots, the mean calibrated
+    P(accepted | slots before) -- the calibration's own, before a hybrid's per-request correction of the
     learned drafter -- and the share the target accepted; `ratio` observed / predicted.
     None without tree rounds (a choose round verifies one proposal, cut to its chosen
     prefix: no counterfactual slots)."""
     sums: Dict[str, Dict[str, List[float]]] = {}
     for r in rounds:
         for b in r.get("branches") or []:
-            feats, m = b["feats"], b["matched"]
-            for k in range(min(m + 1, b["n"], len(feats))):
+            for x, accepted, k in reached_slots(b):
                 cell = sums.setdefault(b["source"], {}).setdefault(DEPTH_LABELS[depth_bin(k)], [0, 0.0, 0])
                 cell[0] += 1
-                cell[1] += calibration.prob(b["source"], feats[k], k, b.get("agree"))
-                cell[2] += int(k < m)
+                cell[1] += calibration.prob(b["source"], x, k, b.get("agree"))
+                cell[2] += int(accepted)
     if not sums:
         return None
     out = {}
