@@ -94,6 +94,9 @@ class DataConfig:
     # "recorded" ones (each answer the target's reply to the real history).
     regen_history: str = "generated"
     regen_rows: str = "forked"  # with regen_history "recorded": see REGEN_ROWS
+    # Keep the target states collection needs while regenerating (its prefills read every
+    # trunk token already), so `collect` runs the target only where those rows differ.
+    regen_features: bool = False
     skip_other_files: bool = False  # in an input directory: skip non-trajectory files (else quarantined)
     keep_reasoning: bool = False  # keep thinking/reasoning items as assistant reasoning_content
     records_per_shard: int = 64  # record i goes to shard i // records_per_shard (resume)

@@ -14,7 +14,10 @@ rows a..a+gamma-1 (all the DLite student needs).
 
 A forked row (a trunk plus branches: `dlite.data.render.forked_sequences`) runs alone in
 two forwards (`TargetFeatures.forked`): each branch element gets the target's states
-reading the trunk up to the branch's fork and the branch so far.
+reading the trunk up to the branch's fork and the branch so far. Given a KV cache and
+the states of the trunk's first positions (a regenerated conversation's,
+`dlite.data.regen_features`), it runs only the rest; `cached_forward` is the capturing
+prefill that keeps them.
 
 Stored dtypes: features / ref_hidden / top-k log-probs as float16, top-k ids as int32.
 fp16 (not bf16) because numpy and Parquet have it natively; its range (+-65504) holds
@@ -71,22 +74,42 @@ class TargetFeatures:
         return feats, out.last_hidden_state
 
     @torch.no_grad()
-    def forked(self, input_ids, position_ids, branch_ids):
+    def cached_forward(self, ids: torch.Tensor, start: int, cache):
+        """(features [n, K*H], final [n, H]) of `ids` [n] at positions start.. on `cache`
+        (holding positions < start), which the forward extends: the regeneration's
+        prefills capture the states collection needs as they go."""
+        kw = cache_kwarg(type(self.model.model))
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        f, h = self._hooked(input_ids=ids[None].to(self.device), use_cache=True, position_ids=pos, **{kw: cache})
+        return f[0], h[0]
+
+    @torch.no_grad()
+    def forked(self, input_ids, position_ids, branch_ids, cache=None, known=None):
         """(features [L, K*H], final [L, H]) of one forked row (`dlite.data.render.
         forked_sequences`: a trunk, then branches whose first element repeats the trunk
         token they fork at). Two forwards: the trunk, causal, keeping its KV cache; then
         every branch's other elements at once on that cache under `fork_mask`, so each
         one's states are the target's reading trunk[:fork + 1] + its branch so far.
-        (A forward per branch on a cropped cache took ~5x the trunk's time on CPU.)"""
+        (A forward per branch on a cropped cache took ~5x the trunk's time on CPU.)
+        `cache` + `known` (features, final of the trunk's first c positions, which `cache`
+        holds): only the rest of the trunk is run (a regenerated conversation's cache)."""
         ids = torch.as_tensor(np.asarray(input_ids), dtype=torch.long, device=self.device)
         pos, br = np.asarray(position_ids), np.asarray(branch_ids)
         trunk, kw = int((br == 0).sum()), cache_kwarg(type(self.model.model))
-        cache, dev = new_cache(self.model), self.device
-        f, h = self._hooked(input_ids=ids[None, :trunk], use_cache=True, **{kw: cache},
-                            position_ids=torch.arange(trunk, device=dev)[None])
+        cache, dev = (new_cache(self.model) if cache is None else cache), self.device
+        c = 0 if known is None else len(known[0])
+        if cache.get_seq_length() != c:
+            raise ValueError(f"the cache holds {cache.get_seq_length()} positions, the known states {c}")
+        parts = [] if known is None else [known]
+        if c < trunk:
+            f, h = self._hooked(input_ids=ids[None, c:trunk], use_cache=True, **{kw: cache},
+                                position_ids=torch.arange(c, trunk, device=dev)[None])
+            parts.append((f[0], h[0]))
+        f = torch.cat([x.to(dev, parts[-1][0].dtype) for x, _ in parts])  # kept states may be on the host
+        h = torch.cat([x.to(dev, parts[-1][1].dtype) for _, x in parts])
         feats = f.new_zeros(len(br), f.shape[-1])
         final = h.new_zeros(len(br), h.shape[-1])
-        feats[:trunk], final[:trunk] = f[0], h[0]
+        feats[:trunk], final[:trunk] = f[:trunk], h[:trunk]
         firsts = np.array([lo for lo, _ in _branches(br)], dtype=np.int64)
         forks = pos[firsts]
         if len(firsts) and not (0 <= forks.min() and forks.max() < trunk):

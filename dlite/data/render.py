@@ -230,6 +230,15 @@ def forked_sequences(tok, record: dict, max_len: int, policy: str, n_anchors: in
     return out
 
 
+def training_rows(tok, record: dict, max_len: int, policy: str, n_anchors: int, seed: int,
+                  forked: bool = True) -> list:
+    """What collection makes of one record: `forked_sequences` for a regeneration that
+    read the recorded history (`recorded_messages`; `forked`: data.regen_rows is
+    "forked"), else `sequences`. Raises Quarantine."""
+    rows = forked_sequences if record.get("recorded_messages") and forked else sequences
+    return rows(tok, record, max_len, policy, n_anchors, seed)
+
+
 # ---------------------------------------------------------------- regeneration
 
 class Regenerator(Protocol):

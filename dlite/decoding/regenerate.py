@@ -22,6 +22,9 @@ results as recorded) at a fraction of its cost.
            answers), padded to the longest; the drafts equal to the target's argmax are
            kept, the rest stay in the cache but masked out (a lone row crops them), so a
            step yields 1 + accepted tokens per row, and the tokens are greedy's.
+  capture  (`capture`: a `dlite.data.regen_features.StateCapture`) the prefills keep the
+           states collection needs, and a finished conversation comes back with its
+           training rows (`features`), so `collect` need not run the target over it again.
 Exactness (fp32): a batched step's logits differ from batch-1's in the last bits (~1e-6:
 BLAS sums a 4-row product in another order than a 1-row one), as HF's re-prefill differs
 from a carried cache; greedy tokens were identical in every comparison made
@@ -40,6 +43,7 @@ import torch
 from dlite.config_schema import REGEN_HISTORIES
 from dlite.data import chat
 from dlite.data.formats import Quarantine
+from dlite.data.regen_features import RowStates, common_prefix
 from dlite.decoding.decode import _device, crop_cache, target_forward
 from dlite.target.cache import cache_kwarg, new_cache
 from dlite.decoding.lookup import lookup_proposal
@@ -66,10 +70,7 @@ class _Row:
     turns: int = 0
     tokens: List[List[int]] = field(default_factory=list)  # each turn's generated ids
     failed: Optional[Quarantine] = None
-
-
-def _common_prefix(a: List[int], b: List[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    states: Optional[RowStates] = None  # with a capture: the states of cache positions
 
 
 class BatchedRegenerator:
@@ -79,7 +80,7 @@ class BatchedRegenerator:
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, samples: int = 1, batch_size: int = 8, seed: int = 0,
-                 lookup: int = 0, history: str = "generated"):
+                 lookup: int = 0, history: str = "generated", capture=None):
         from dlite.target import eos_ids
         if any(layer.is_sliding for layer in new_cache(model).layers):
             # Stacked and split caches are plain full-attention layers.
@@ -91,13 +92,15 @@ class BatchedRegenerator:
         self.lookup = max(0, int(lookup)) if temperature <= 0 else 0
         if history not in REGEN_HISTORIES:
             raise ValueError(f"history must be one of {REGEN_HISTORIES}, got {history!r}")
-        self.history = history
+        self.history, self.capture = history, capture
         self.eos = set(eos_ids(model, tokenizer))
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.stats = dict(records=0, turns=0, tokens_generated=0, prefill_tokens=0,
                           prefill_s=0.0, decode_s=0.0, decode_steps=0, prefix_misses=0,
-                          shared_prefix_tokens=0, drafted=0, accepted=0)
-        self._shared = None  # (ids, batch-1 cache): the prompt prefix new rows start from
+                          shared_prefix_tokens=0, drafted=0, accepted=0, feature_rows=0,
+                          feature_tokens_kept=0, feature_tokens_run=0, feature_s=0.0)
+        # (ids, batch-1 cache, its kept states): the prompt prefix new rows start from
+        self._shared = None
 
     # ------------------------------------------------------------ public
 
@@ -155,17 +158,26 @@ class BatchedRegenerator:
         return g
 
     def _finish(self, row: _Row, q: Optional[Quarantine] = None) -> dict:
-        row.cache = None  # its memory goes back before the next conversation is admitted
         rec = row.rec
         if q is not None:
+            row.cache = None  # its memory goes back before the next conversation is admitted
             return {"index": rec.get("index"), "id": rec["id"], "where": rec.get("where"),
                     "sample": row.sample, "reason": q.reason, "detail": q.detail}
         rid = rec["id"] if row.sample == 0 else f"{rec['id']}#s{row.sample}"
         # With the recorded history the answers were written after the recorded turns, not
         # after each other: the recorded conversation goes along (collect's forked rows).
         recorded = {"recorded_messages": rec["messages"]} if self.history == "recorded" else {}
-        return {**rec, "id": rid, "sample": row.sample, "messages": row.out, "turns": row.turns,
-                "tokens": row.tokens, **recorded}
+        res = {**rec, "id": rid, "sample": row.sample, "messages": row.out, "turns": row.turns,
+               "tokens": row.tokens, **recorded}
+        if self.capture is not None:  # before the cache goes: collection's rows run on it
+            t0 = time.perf_counter()
+            res["features"], kept, ran = self.capture.finish(row.states, res, row.cache, row.ids)
+            self.stats["feature_rows"] += len(res["features"])
+            self.stats["feature_tokens_kept"] += kept  # read from the prefills' states
+            self.stats["feature_tokens_run"] += ran    # the answers, the last turn, misses
+            self.stats["feature_s"] += time.perf_counter() - t0
+        row.cache, row.states = None, None
+        return res
 
     def _advance(self, row: _Row) -> Optional[dict]:
         """Copy recorded messages up to the next assistant turn and prefill its prompt:
@@ -198,34 +210,44 @@ class BatchedRegenerator:
     def _prefill(self, row: _Row, prompt: List[int]) -> None:
         """Run the part of `prompt` the row's cache lacks; keeps the last logits on the row."""
         if row.cache is None:
-            row.cache, keep = self._start(prompt)
+            row.cache, keep = self._start(row, prompt)
         else:
-            keep = _common_prefix(row.ids, prompt[:-1])
+            same = common_prefix(row.ids, prompt[:-1])
+            # with a capture, from the first position without kept states (the decode
+            # steps fed the last answer; it is run again, as collection would)
+            keep = same if self.capture is None else min(same, row.states.n)
+            self.stats["prefix_misses"] += int(same < len(row.ids))
             if keep < len(row.ids):
-                self.stats["prefix_misses"] += 1
                 crop_cache(row.cache, keep)
         t0 = time.perf_counter()
         ids = torch.tensor(prompt[keep:], device=_device(self.model))
-        row.logits = target_forward(self.model, ids, keep, row.cache, logits_to_keep=1)[-1]
+        if self.capture is None:
+            row.logits = target_forward(self.model, ids, keep, row.cache, logits_to_keep=1)[-1]
+        else:
+            row.logits = self.capture.prefill(row.states, ids, keep, row.cache)
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += len(prompt) - keep
         if self._shared is None:
-            self._shared = (list(prompt), unstack(row.cache, 0, slice(0, len(prompt))))
+            self._shared = (list(prompt), unstack(row.cache, 0, slice(0, len(prompt))),
+                            row.states.head(len(prompt)) if self.capture is not None else None)
         row.ids = list(prompt)
 
-    def _start(self, prompt: List[int]):
+    def _start(self, row: _Row, prompt: List[int]):
         """A new row's (cache, tokens it holds): a copy of the shared prefix when this
         prompt begins with >= SHARE_MIN of its tokens (agent corpora repeat one system
         prompt + tool schemas in every conversation), else an empty cache. The shared
-        prefix shrinks to what the prompts sharing it have in common."""
+        prefix shrinks to what the prompts sharing it have in common. With a capture the
+        row's kept states start as the prefix's."""
         if self._shared is not None:
-            ids, cache = self._shared
-            c = _common_prefix(ids, prompt[:-1])
+            ids, cache, states = self._shared
+            c = common_prefix(ids, prompt[:-1])
             if c >= SHARE_MIN:
                 if c < len(ids):
-                    self._shared = (ids[:c], unstack(cache, 0, slice(0, c)))
+                    self._shared = (ids[:c], unstack(cache, 0, slice(0, c)), states and states.head(c))
                 self.stats["shared_prefix_tokens"] += c
+                row.states = states and states.head(c)
                 return unstack(cache, 0, slice(0, c)), c
+        row.states = RowStates() if self.capture is not None else None
         return new_cache(self.model), 0
 
     def _pick(self, logits: torch.Tensor, row: _Row) -> int:

@@ -123,7 +123,7 @@ _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size"
                  "data.regen_history": "generated",
                  "data": {"regen_temperature": 0.0, "regen_top_p": 1.0, "regen_samples": 1,
                           "regen_batch_size": 8, "regen_lookup": 0, "regen_history": "generated",
-                          "regen_rows": "forked",
+                          "regen_rows": "forked", "regen_features": False,
                           "corpus": "builtin", "extra_prompts": None, "extra_prompts_limit": 0},
                  "eval": {"verify_cost_tokens": [1, 2, 4, 8], "verify_cost": [1.0, 1.4, 1.6, 2.2],
                           "tree_budget": 16, "calibration_trajectories": 1,
@@ -133,12 +133,13 @@ _HASH_NEUTRAL = {"drafter": {"draft_vocab_prior": "low_ids", "anchor_group_size"
 
 # Keys inside a section a stage hashes whole that do not decide that stage's output:
 # how fast it is made (`regen_batch_size`, `regen_lookup`: batched regeneration, with
-# or without verified lookup drafts, gives batch 1's greedy tokens;
+# or without verified lookup drafts, gives batch 1's greedy tokens; `regen_features`:
+# collection's rows from the regeneration's kept states instead of its own forward;
 # `batch_tokens`: collection's forward batches) or what later stages read (`cache_bytes`,
 # and `shuffle_buffer` and `val_group`, which the training stages hash themselves). They are hashed at
 # their defaults: changing one keeps a finished stage reusable, and the hashes of runs
 # at the defaults stay what they were.
-_HASHED_AT_DEFAULT = {"collect": {"data": {"regen_batch_size": 8, "regen_lookup": 0,
+_HASHED_AT_DEFAULT = {"collect": {"data": {"regen_batch_size": 8, "regen_lookup": 0, "regen_features": False,
                                            "batch_tokens": 16384, "cache_bytes": 1 << 30,
                                            "shuffle_buffer": 256, "val_group": None}}}
 

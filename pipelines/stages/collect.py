@@ -11,7 +11,10 @@
   finish   (driver)  quarantine.jsonl and manifest.json from the sidecars
 
 With `data.regenerate` on, the records are the target's own conversations, from the
-`regenerate` stage's output (`pipelines.stages.regenerate.as_input`).
+`regenerate` stage's output (`pipelines.stages.regenerate.as_input`). Where that stage
+kept the target's states (`data.regen_features`, made with this collection's layers,
+dtype and storage), a row it made that equals the one made here (tokens, loss mask,
+anchors, fork layout) is written from its arrays instead of the target forward.
 
 Bad records never fail the job; a target that does not load, or an output directory
 holding another plan, does. Resume: a rerun skips shards whose sidecar and file are in
@@ -27,6 +30,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import ray
@@ -53,6 +57,7 @@ class CollectSettings:
     batch_tokens: int = 16384  # token budget of one padded forward batch
     num_actors: int = 1
     gpus_per_actor: float = 0
+    precomputed: Optional[str] = None  # a regeneration's features/ directory (see above)
 
     @classmethod
     def from_config(cls, cfg) -> "CollectSettings":
@@ -139,33 +144,84 @@ class _FeatureWorker:
 
     def process(self, payload: dict) -> dict:
         from dlite.data.features import write_features
-        from dlite.data.render import forked_sequences, sequences
+        from dlite.data.render import training_rows
         t0, bad, seqs, d = time.time(), list(payload["quarantine"]), [], self.cfg.data
         for rec in payload["records"]:
-            # a regeneration that read the recorded history: a trunk and its branches
-            rows = forked_sequences if rec.get("recorded_messages") and d.regen_rows == "forked" \
-                else sequences
-            try:
-                seqs += rows(self.tok, rec, d.max_seq_len, d.length_policy, d.anchors_per_seq,
-                             self.cfg.run.seed)
+            try:  # a regeneration that read the recorded history: a trunk and its branches
+                seqs += training_rows(self.tok, rec, d.max_seq_len, d.length_policy, d.anchors_per_seq,
+                                      self.cfg.run.seed, d.regen_rows == "forked")
             except Quarantine as q:
                 bad.append(_entry(rec["index"], rec["where"], q, rec["id"]))
+        taken, seqs = self._take_precomputed(payload["records"], seqs)
         w = shards.ShardWriter(self.store, payload["shard"], self.spec["reference"])
         try:
+            w.write(taken)
             st, written, lost = write_features(self.tf, seqs, self.spec, w, self.st.batch_tokens,
                                                self.pad_id)
         except BaseException:
             w.abort()
             raise
+        st.update(sequences=len(taken), tokens=sum(len(r["input_ids"]) for r in taken),
+                  supervised_tokens=int(sum(np.sum(r["loss_mask"]) for r in taken)),
+                  anchors=sum(len(r["anchors"]) for r in taken))
+        written |= {(r["index"], r["id"]) for r in taken}
+        lost = [s for s in lost if s["index"] not in {r["index"] for r in taken}]
         bad += [_entry(s["index"], s["where"], Quarantine("nonfinite_features", "target states "
                                                           "overflow float16"), s["id"]) for s in lost]
         info = {"plan": self.plan_id, "read": payload["read"], "written": len(written),
                 "quarantined": len(bad), "by_reason": dict(Counter(e["reason"] for e in bad)),
                 **{k: st[k] for k in ("sequences", "tokens", "supervised_tokens", "anchors")},
+                "precomputed_sequences": len(taken),
                 "ids": sorted({rid for _, rid in written}), "quarantine": bad,
                 "forward_s": round(st["forward_s"], 4), "seconds": round(time.time() - t0, 4)}
         side = w.finish(info)
         return {k: side[k] for k in ("shard", "read", "written", "quarantined", "rows")}
+
+    def _take_precomputed(self, records: list, seqs: list) -> tuple:
+        """(rows written from the regeneration's arrays, sequences still to run): a row is
+        taken only where the regeneration made exactly this one."""
+        if not self.st.precomputed or not seqs:
+            return [], seqs
+        made = self._precomputed(records)
+        taken, rest = [], []
+        for s in seqs:
+            r = made.get((s["id"], s["part"]))
+            if r is not None and _same_row(s, r):
+                taken.append({**s, **{k: r[k] for k in shards.ARRAY_DTYPES if k in r}})
+            else:
+                rest.append(s)
+        return taken, rest
+
+    def _precomputed(self, records: list) -> dict:
+        """{(id, part): decoded row} of the regeneration's feature shards these records'
+        conversation files have (`where` = "<file>:<line>"; a shard not finished: none)."""
+        import pyarrow.parquet as pq
+        store, out = Store(self.st.precomputed), {}
+        conf = self.model.config
+        shape = {"gamma": self.spec["gamma"], "storage_mode": self.spec["storage_mode"],
+                 "topk": self.spec["topk"], "hidden_size": conf.hidden_size,
+                 "feature_dim": len(self.cfg.drafter.target_layer_ids) * conf.hidden_size}
+        by_file = {}
+        for rec in records:
+            by_file.setdefault(str(rec["where"]).rsplit(":", 1)[0], set()).add(rec["id"])
+        for name, ids in by_file.items():
+            stem = f"shards/{Path(name).stem}"
+            if not store.exists(f"{stem}.json"):
+                continue
+            table = pq.read_table(store.path(f"{stem}.parquet"), filesystem=store.fs,
+                                  filters=[("id", "in", sorted(ids))])
+            for row in table.to_pylist():
+                out[(row["id"], row["part"])] = shards.decode_row(row, shape)
+        return out
+
+
+def _same_row(mine: dict, theirs: dict) -> bool:
+    """The same training row: tokens, loss mask, anchors and fork layout all equal."""
+    for k in ("input_ids", "loss_mask", "anchors", *shards.FORK_COLUMNS):
+        a, b = mine.get(k), theirs.get(k)
+        if (a is None) != (b is None) or (a is not None and not np.array_equal(np.asarray(a), np.asarray(b))):
+            return False
+    return True
 
 
 # ---------------------------------------------------------------- driver
@@ -269,6 +325,8 @@ def _manifest(cfg, plan: dict, plan_id: str, tinfo: dict, sides: list, seconds: 
             "anchors", "forward_s")
     counts = {k: sum(s[k] for s in sides) for k in keys}
     counts["by_reason"] = dict(sum((Counter(s["by_reason"]) for s in sides), Counter()))
+    # rows written from a regeneration's kept states, not this stage's forward
+    counts["precomputed_sequences"] = sum(s.get("precomputed_sequences", 0) for s in sides)
     d, k = cfg.data, len(cfg.drafter.target_layer_ids)
     return {**{x: plan[x] for x in ("schema_version", "storage_mode", "reference", "topk",
                                     "gamma", "anchors_per_seq", "max_seq_len", "length_policy",
@@ -294,6 +352,10 @@ def collect(cfg, input_path: str, output: str, settings: CollectSettings = None)
     from pipelines.stages.regenerate import as_input  # it builds on this module's steps
     input_path, regen = as_input(cfg, input_path, output, tinfo["fingerprint"],
                                  st.regenerate, st.regen_max_new_tokens)
+    if regen is not None and regen.get("features"):
+        from pipelines.stages.regenerate import FEATURES, feature_spec
+        if regen["features"] == feature_spec(cfg):  # made as this collection makes them
+            st = CollectSettings(**{**asdict(st), "precomputed": f"{input_path.rsplit('/', 1)[0]}/{FEATURES}"})
     specs, identity = formats.plan_input(_resolve_input(cfg, input_path, output),
                                          st.records_per_shard, bool(cfg.data.skip_other_files))
     plan = make_plan(cfg, st, tinfo["fingerprint"], identity)

@@ -9,6 +9,13 @@ assistant turns (self-distillation, DLITE.md §3 "Data"), on Ray Data, before `c
                         sidecar (counts, timings, quarantine entries) last
   finish      (driver)  quarantine.jsonl and manifest.json from the sidecars
 
+With `data.regen_features` the actors also keep the target states collection needs
+(`dlite.data.regen_features`): each shard's training rows, with collection's arrays, go
+to `features/shards/shard-NNNNN.parquet` (collection's shard format, its sidecar beside
+it) before the shard's own sidecar, and the manifest's `features` names the settings
+they were made with; `collect` takes them instead of running the target where its own
+rows are the same.
+
 Layout: the plan in `collect.json` (`dlite.data.shards.claim`: a directory holding
 another plan is refused), `conversations/shard-NNNNN.jsonl` (canonical {"id", "index",
 "where", "sample", "turns", "messages", "tools"} records; what collect reads), their
@@ -34,7 +41,9 @@ from pipelines.stages.collect import (CollectError, _check_target, _duplicates, 
 
 KIND, SCHEMA, CONVERSATIONS = "regenerated", 1, "conversations"
 _TIMINGS = ("turns", "tokens_generated", "prefill_tokens", "prefill_s", "decode_s",
-            "decode_steps", "prefix_misses", "shared_prefix_tokens", "drafted", "accepted")
+            "decode_steps", "prefix_misses", "shared_prefix_tokens", "drafted", "accepted",
+            "feature_rows", "feature_tokens_kept", "feature_tokens_run", "feature_s")
+FEATURES = "features"
 
 
 def conversations_file(shard: int) -> str:
@@ -55,6 +64,7 @@ class RegenSettings:
     records_per_shard: int = 64
     num_actors: int = 1
     gpus_per_actor: float = 0
+    features: bool = False  # keep collection's target states (data.regen_features)
 
     @classmethod
     def from_config(cls, cfg) -> "RegenSettings":
@@ -63,7 +73,7 @@ class RegenSettings:
                    top_p=d.regen_top_p, samples=d.regen_samples, batch_size=d.regen_batch_size,
                    lookup=d.regen_lookup, history=d.regen_history,
                    records_per_shard=d.records_per_shard, num_actors=cfg.cluster.num_workers,
-                   gpus_per_actor=cfg.cluster.gpus_per_worker)
+                   gpus_per_actor=cfg.cluster.gpus_per_worker, features=bool(d.regen_features))
 
     def sampling(self, seed: int) -> dict:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
@@ -81,9 +91,12 @@ class _RegenWorker:
         cfg, st = OmegaConf.create(cfg), RegenSettings(**settings)
         model, tok = target.load(cfg.target)  # the experiment's dtype, as collection reads it
         model.to("cuda" if st.gpus_per_actor > 0 and torch.cuda.is_available() else "cpu")
+        self.spec = feature_spec(cfg) if st.features else None
+        capture = _capture(cfg, model, tok, self.spec) if st.features else None
         self.regen = BatchedRegenerator(model, tok, st.max_new_tokens, st.temperature, st.top_p,
-                                        st.samples, st.batch_size, cfg.run.seed, st.lookup, st.history)
-        self.plan_id, self.store = plan_id, Store(output)
+                                        st.samples, st.batch_size, cfg.run.seed, st.lookup, st.history,
+                                        capture)
+        self.plan_id, self.store, self.output = plan_id, Store(output), output
 
     def __call__(self, batch):
         return {"summary": np.array([json.dumps(self.process(json.loads(p)))
@@ -93,6 +106,8 @@ class _RegenWorker:
         t0, before = time.time(), dict(self.regen.stats)
         done, bad = self.regen.regenerate_many(payload["records"])
         bad = list(payload["quarantine"]) + bad
+        if self.spec is not None:  # before the shard's sidecar: a finished shard has them
+            self._write_features(payload["shard"], [r for d in done for r in d.pop("features")])
         lines = [json.dumps({k: v for k, v in d.items() if k != "tokens"}, ensure_ascii=False)
                  for d in done]
         name, file = shards.shard_name(payload["shard"]), conversations_file(payload["shard"])
@@ -105,6 +120,30 @@ class _RegenWorker:
                 **{k: self.regen.stats[k] - before[k] for k in _TIMINGS}}
         self.store.write_atomic(f"{name}.json", json.dumps(info).encode())  # done, last
         return {k: info[k] for k in ("shard", "read", "written", "quarantined", "tokens_generated")}
+
+    def _write_features(self, shard: int, rows: list) -> None:
+        store = Store(f"{self.output}/{FEATURES}")
+        store.remove_tmp("shards")
+        shards.write_shard(store, shard, rows, self.spec["reference"],
+                           {"plan": self.plan_id, "settings": self.spec})
+
+
+def feature_spec(cfg) -> dict:
+    """The settings regenerated features are made with, which `collect` compares with its
+    own before taking them (the rows themselves it compares one by one)."""
+    d = cfg.data
+    return {"layer_ids": list(cfg.drafter.target_layer_ids), "target_dtype": cfg.target.dtype,
+            "storage_mode": d.storage_mode, "reference": d.reference,
+            "topk": d.topk if d.reference == "topk" else None,
+            "gamma": cfg.drafter.gamma if d.storage_mode == "anchors" else None}
+
+
+def _capture(cfg, model, tok, spec: dict):
+    from dlite.data.regen_features import StateCapture
+    from dlite.data.render import training_rows
+    d = cfg.data
+    return StateCapture(model, spec["layer_ids"], spec, lambda rec: training_rows(
+        tok, rec, d.max_seq_len, d.length_policy, d.anchors_per_seq, cfg.run.seed, d.regen_rows == "forked"))
 
 
 def _run(cfg, st: RegenSettings, todo: list, dups: list, plan_id: str, output: str) -> None:
@@ -134,6 +173,7 @@ def _manifest(plan: dict, plan_id: str, fingerprint: dict, sides: list, seconds:
             "prefill_tokens_per_s": rate(counts["prefill_tokens"], counts["prefill_s"]),
             "decode_tokens_per_s": rate(counts["tokens_generated"], counts["decode_s"]),
             # speed only: verified lookup drafts (greedy) leave the tokens as they are
+            "features": plan.get("features"),
             "lookup": {"draft_tokens": lookup,
                        "acceptance": round(counts["accepted"] / counts["drafted"], 3) if counts["drafted"] else None},
             "files": [{"path": s["file"], "sha256": s["sha256"], "bytes": s["bytes"], "rows": s["rows"]}
@@ -167,6 +207,8 @@ def regenerate(cfg, input_path: str, output: str, settings: RegenSettings = None
     shards.claim(store, plan)
     if (m := read_manifest(output)) is not None:
         return m
+    if st.features:  # what the kept states are; not in the plan: the conversations are the same
+        plan = {**plan, "features": feature_spec(cfg)}
     store.remove_tmp(CONVERSATIONS)
     sides = run_missing_shards(cfg, store, specs, plan_id, "regenerate", lambda todo: _run(
         cfg, st, todo, _duplicates(specs), plan_id, output))

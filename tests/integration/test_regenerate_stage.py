@@ -98,3 +98,41 @@ def test_collect_reads_the_regenerated_shards(regenerated, cfg, tmp_path):
     assert m["regenerated"]["counts"]["quarantined"] == 2
     ids = {r["id"] for r in shards.iter_records(str(tmp_path / "shards"))}
     assert ids == {"train-000000", "ask", "train-000001", "train-000002"}
+
+
+# The stage at the fixture's sizes, reading the recorded history, keeping collection's states.
+KEPT = ["data.regen_max_new_tokens=8", "data.regen_batch_size=3", "data.records_per_shard=3",
+        "cluster.num_workers=1", "data.max_seq_len=1024", "data.anchors_per_seq=4",
+        "data.regen_history=recorded", "data.regen_features=true"]
+
+
+def test_collect_takes_the_states_the_regeneration_kept(ray_session, mixed, tmp_path):
+    """`data.regen_features`: the actors keep collection's states while they regenerate (the
+    recorded history: forked rows), and `collect` writes those rows from them -- every
+    row, each equal to the target forward's arrays on it up to float noise; a collection
+    with other layers runs the target itself."""
+    import numpy as np
+    from dlite.data.features import TargetFeatures, extract
+    from pipelines.stages.regenerate import feature_spec
+    kept_cfg = load_config("configs/experiments/tiny.yaml", KEPT)
+    regen = regenerate(kept_cfg, str(mixed), str(tmp_path / "regen"))
+    assert regen["features"] == feature_spec(kept_cfg) and regen["counts"]["feature_rows"] > 0
+    assert regen["counts"]["feature_tokens_kept"] > regen["counts"]["feature_tokens_run"] > 0
+    assert sorted(p.name for p in (tmp_path / "regen" / "features" / "shards").glob("*.parquet")) == \
+        ["shard-00000.parquet", "shard-00001.parquet"]
+
+    m = collect(kept_cfg, str(tmp_path / "regen"), str(tmp_path / "kept"))
+    c = m["counts"]
+    assert (c["read"], c["written"]) == (4, 4) and c["precomputed_sequences"] == c["sequences"] > 0
+    tf = TargetFeatures(tiny.load_target(), list(kept_cfg.drafter.target_layer_ids))
+    spec = {"storage_mode": "full", "reference": "last_hidden", "topk": None, "gamma": None}
+    rows = list(shards.iter_records(str(tmp_path / "kept")))
+    assert any(r.get("branch_ids") is not None for r in rows)  # forked rows among them
+    for row in rows:
+        (want,), _ = extract(tf, [row], spec, 0, 0)
+        for k in ("features", "ref_hidden"):
+            np.testing.assert_allclose(row[k].astype(np.float32), want[k].astype(np.float32), rtol=2e-3, atol=2e-3)
+
+    other = load_config("configs/experiments/tiny.yaml", [*KEPT, "drafter.target_layer_ids=[0]"])
+    m2 = collect(other, str(tmp_path / "regen"), str(tmp_path / "other_layers"))
+    assert m2["counts"]["precomputed_sequences"] == 0 and m2["counts"]["sequences"] == c["sequences"]
