@@ -27,7 +27,7 @@ import torch
 
 from dlite.data.features import TargetFeatures, _stored
 from dlite.data.formats import Quarantine
-from dlite.decoding.decode import crop_cache
+from dlite.target.cache import crop_cache
 
 
 def common_prefix(a: List[int], b: List[int]) -> int:

@@ -44,7 +44,7 @@ import torch
 from dlite.decoding.capture import LayerCapture
 from dlite.decoding.tree import build_tree, keep_path, tree_mask, tree_positions, verify_tree
 from dlite.decoding.verify import sample_token, verify_block
-from dlite.target.cache import cache_kwarg, new_cache  # noqa: F401 (new_cache: re-exported)
+from dlite.target.cache import cache_kwarg, crop_cache, new_cache  # noqa: F401 (crop_cache, new_cache: re-exported)
 
 if TYPE_CHECKING:  # annotations only: the import itself happens in new_cache
     from transformers import DynamicCache
@@ -60,15 +60,6 @@ def _new_state(drafter, prompt_ids):
     if getattr(drafter, "reads_prompt", False):
         return drafter.new_state([int(x) for x in torch.as_tensor(prompt_ids).reshape(-1)])
     return drafter.new_state()
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions of every layer of the cache."""
-    extra = cache.get_seq_length() - length
-    if extra < 0:
-        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} to {length}")
-    if extra:
-        cache.crop(-extra)
 
 
 def target_forward(target, ids: torch.Tensor, start: int, cache: DynamicCache,

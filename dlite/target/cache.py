@@ -26,3 +26,12 @@ def new_cache(model):
         return own()
     from transformers import DynamicCache
     return DynamicCache(config=model.config)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of every layer of the cache."""
+    extra = cache.get_seq_length() - length
+    if extra < 0:
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} to {length}")
+    if extra:  # transformers 5: a negative n removes n positions, a positive one raises
+        cache.crop(-extra)

@@ -173,7 +173,7 @@ def test_the_dag_runs_regenerate_before_collect_only_when_asked(tmp_path):
     before = dataclasses.replace(dag.BY_NAME["collect"], deps=())
     plain = OmegaConf.create(OmegaConf.to_container(cfg))
     for k in ("regen_temperature", "regen_top_p", "regen_samples", "regen_batch_size", "regen_lookup",
-              "regen_history"):
+              "regen_history", "regen_features"):
         del plain.data[k]  # the config as it was before these keys
     assert off["collect"].hash == dag._stage_hash(plain, before, {}, dag.target_identity(cfg))
     with pytest.raises(ConfigError, match="data.regen_samples"):
@@ -185,10 +185,15 @@ def test_the_dag_runs_regenerate_before_collect_only_when_asked(tmp_path):
     hist = {s.name: s.hash for s in dag.plan(load_config("configs/experiments/tiny.yaml", out + [
         "data.regenerate=true", "data.regen_history=recorded"]))}
     assert hist["regenerate"] != on["regenerate"].hash and hist["collect"] != on["collect"].hash
+    # Keeping collection's states while regenerating: the same conversations and rows.
+    kept = {s.name: s.hash for s in dag.plan(load_config("configs/experiments/tiny.yaml", out + [
+        "data.regenerate=true", "data.regen_features=true"]))}
+    assert kept == {name: s.hash for name, s in on.items()}
 
 
 @pytest.mark.parametrize("knob,moves", [
-    ("data.regen_batch_size=4", []), ("data.regen_lookup=7", []), ("data.batch_tokens=4096", []),
+    ("data.regen_batch_size=4", []), ("data.regen_lookup=7", []), ("data.regen_features=true", []),
+    ("data.batch_tokens=4096", []),
     ("data.cache_bytes=1000", []),
     ("data.shuffle_buffer=16", ["teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"]),
     ("data.val_group=^(.+)-[0-9]+$", ["teacher", "align", "align_no_teacher", "dspark", "evaluate", "publish"]),
