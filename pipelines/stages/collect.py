@@ -194,9 +194,11 @@ class _FeatureWorker:
 
     def _precomputed(self, records: list) -> dict:
         """{(id, part): decoded row} of the regeneration's feature shards these records'
-        conversation files have (`where` = "<file>:<line>"; a shard not finished: none)."""
+        conversation files have (`where` = "<file>:<line>"; none from a shard not finished
+        or made with other settings: a resumed regeneration may have changed them)."""
         import pyarrow.parquet as pq
-        store, out = Store(self.st.precomputed), {}
+        from pipelines.stages.regenerate import feature_spec
+        store, out, want = Store(self.st.precomputed), {}, feature_spec(self.cfg)
         conf = self.model.config
         shape = {"gamma": self.spec["gamma"], "storage_mode": self.spec["storage_mode"],
                  "topk": self.spec["topk"], "hidden_size": conf.hidden_size,
@@ -206,7 +208,8 @@ class _FeatureWorker:
             by_file.setdefault(str(rec["where"]).rsplit(":", 1)[0], set()).add(rec["id"])
         for name, ids in by_file.items():
             stem = f"shards/{Path(name).stem}"
-            if not store.exists(f"{stem}.json"):
+            if not store.exists(f"{stem}.json") or \
+                    json.loads(store.read_bytes(f"{stem}.json")).get("settings") != want:
                 continue
             table = pq.read_table(store.path(f"{stem}.parquet"), filesystem=store.fs,
                                   filters=[("id", "in", sorted(ids))])

@@ -122,9 +122,8 @@ class _RegenWorker:
         return {k: info[k] for k in ("shard", "read", "written", "quarantined", "tokens_generated")}
 
     def _write_features(self, shard: int, rows: list) -> None:
-        store = Store(f"{self.output}/{FEATURES}")
-        store.remove_tmp("shards")
-        shards.write_shard(store, shard, rows, self.spec["reference"],
+        # its sidecar names the settings: a resumed run may have other layers than the first
+        shards.write_shard(Store(f"{self.output}/{FEATURES}"), shard, rows, self.spec["reference"],
                            {"plan": self.plan_id, "settings": self.spec})
 
 
@@ -209,6 +208,7 @@ def regenerate(cfg, input_path: str, output: str, settings: RegenSettings = None
         return m
     if st.features:  # what the kept states are; not in the plan: the conversations are the same
         plan = {**plan, "features": feature_spec(cfg)}
+        Store(f"{output}/{FEATURES}").remove_tmp("shards")  # here: actors write side by side
     store.remove_tmp(CONVERSATIONS)
     sides = run_missing_shards(cfg, store, specs, plan_id, "regenerate", lambda todo: _run(
         cfg, st, todo, _duplicates(specs), plan_id, output))

@@ -136,3 +136,9 @@ def test_collect_takes_the_states_the_regeneration_kept(ray_session, mixed, tmp_
     other = load_config("configs/experiments/tiny.yaml", [*KEPT, "drafter.target_layer_ids=[0]"])
     m2 = collect(other, str(tmp_path / "regen"), str(tmp_path / "other_layers"))
     assert m2["counts"]["precomputed_sequences"] == 0 and m2["counts"]["sequences"] == c["sequences"]
+    # A shard whose sidecar names other settings (a resumed regeneration's first run) is not read.
+    side = tmp_path / "regen" / "features" / "shards" / "shard-00000.json"
+    info = json.loads(side.read_text())
+    side.write_text(json.dumps({**info, "settings": {**info["settings"], "layer_ids": [0]}}))
+    m3 = collect(kept_cfg, str(tmp_path / "regen"), str(tmp_path / "one_shard"))
+    assert 0 < m3["counts"]["precomputed_sequences"] < m3["counts"]["sequences"] == c["sequences"]
