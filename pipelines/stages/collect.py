@@ -12,9 +12,10 @@
 
 With `data.regenerate` on, the records are the target's own conversations, from the
 `regenerate` stage's output (`pipelines.stages.regenerate.as_input`). Where that stage
-kept the target's states (`data.regen_features`, made with this collection's layers,
-dtype and storage), a row it made that equals the one made here (tokens, loss mask,
-anchors, fork layout) is written from its arrays instead of the target forward.
+kept the target's states (`data.regen_features`), a row it made that equals the one made
+here (tokens, loss mask, anchors, fork layout), in a shard whose sidecar names this
+collection's layers, dtype and storage, is written from its arrays instead of the
+target forward.
 
 Bad records never fail the job; a target that does not load, or an output directory
 holding another plan, does. Resume: a rerun skips shards whose sidecar and file are in
@@ -355,10 +356,9 @@ def collect(cfg, input_path: str, output: str, settings: CollectSettings = None)
     from pipelines.stages.regenerate import as_input  # it builds on this module's steps
     input_path, regen = as_input(cfg, input_path, output, tinfo["fingerprint"],
                                  st.regenerate, st.regen_max_new_tokens)
-    if regen is not None and regen.get("features"):
-        from pipelines.stages.regenerate import FEATURES, feature_spec
-        if regen["features"] == feature_spec(cfg):  # made as this collection makes them
-            st = CollectSettings(**{**asdict(st), "precomputed": f"{input_path.rsplit('/', 1)[0]}/{FEATURES}"})
+    if regen is not None and regen.get("features"):  # each shard's settings checked where read
+        from pipelines.stages.regenerate import FEATURES
+        st = CollectSettings(**{**asdict(st), "precomputed": f"{input_path.rsplit('/', 1)[0]}/{FEATURES}"})
     specs, identity = formats.plan_input(_resolve_input(cfg, input_path, output),
                                          st.records_per_shard, bool(cfg.data.skip_other_files))
     plan = make_plan(cfg, st, tinfo["fingerprint"], identity)
