@@ -31,7 +31,12 @@ HYBRIDS = {"hybrid_lookup": ("prompt_lookup",), "hybrid_suffix": ("suffix",),
            "hybrid_lookup_choose": ("prompt_lookup",), "hybrid_suffix_choose": ("suffix",),
            "hybrid_lookup_tree": ("prompt_lookup",), "hybrid_suffix_tree": ("suffix",),
            "hybrid_lookup_suffix_choose": ("prompt_lookup", "suffix"),
-           "hybrid_lookup_suffix_tree": ("prompt_lookup", "suffix")}
+           "hybrid_lookup_suffix_tree": ("prompt_lookup", "suffix"),
+           # the same rules over the token drafters alone, no learned drafter: what the
+           # learned one adds to a hybrid, measured (and a hybrid needing no training)
+           "hybrid_free_choose": ("prompt_lookup", "suffix"),
+           "hybrid_free_tree": ("prompt_lookup", "suffix")}
+FREE_HYBRIDS = ("hybrid_free_choose", "hybrid_free_tree")
 
 @dataclass
 class RunConfig:

@@ -19,6 +19,11 @@ round either
   expected chance of being accepted, siblings sharing their parent's, since the target
   accepts one of them at most), as many as maximise tokens per unit of cost.
 
+Without a learned drafter (`model` None: `hybrid_free_*`, token drafters only) the same
+rules choose among the token proposals and a plain step, and the target computes no
+features for it: what the learned drafter adds to a hybrid is the difference between
+`hybrid_lookup_suffix_*` and `hybrid_free_*` on the same turns.
+
 Cost is priced per round at the round's anchor position (`CostTable.at`, a curve
 measured at several contexts): a plain step is cheaper on a short history while a
 history-free draft costs the same everywhere, so a draft worth its time at 4K tokens
@@ -56,7 +61,7 @@ class _Proposers:
     def __init__(self, model, lookups, calibration: Optional[Calibration] = None,
                  cost: Union[CostCurve, CostTable, None] = None, skip_model: bool = True,
                  online_prior: Optional[float] = ONLINE_PRIOR):
-        if model.needs_history:
+        if model is not None and model.needs_history:
             raise ValueError("the hybrid needs a history-free drafter: one with a history "
                              "cache would miss the positions of the rounds lookup drafts")
         self.lookups = list(lookups) if isinstance(lookups, (list, tuple)) else [lookups]
@@ -71,12 +76,15 @@ class _Proposers:
         # and in rounds like the one it is in (no token proposal, or a weak, fair or
         # strong one), the typical block of such rounds where they were fitted apart
         # (`calibrate.round_branches`), else the same.
-        self.typical = self.calibration.typical_probs("model", model.gamma)
-        self.typical_in = {c: self.calibration.typical_probs(c, model.gamma)
+        model_gamma = model.gamma if model is not None else 0
+        self.typical = self.calibration.typical_probs("model", model_gamma)
+        self.typical_in = {c: self.calibration.typical_probs(c, model_gamma)
                            for c in (MODEL_ALONE, *MODEL_BESIDE) if self.calibration.fitted(c)}
         self.vocab_size = self.lookups[0].vocab_size
-        self.gamma = max(model.gamma, *(lk.gamma for lk in self.lookups))
-        self.target_layer_ids, self.needs_history = model.target_layer_ids, False
+        self.gamma = max(model_gamma, *(lk.gamma for lk in self.lookups))
+        # no learned drafter: no target features to compute for it
+        self.target_layer_ids = model.target_layer_ids if model is not None else []
+        self.needs_history = False
 
     def new_state(self):
         # online, over this request: `hits` (tokens of the learned drafter accepted) and
@@ -84,7 +92,7 @@ class _Proposers:
         # verified blocks; `sure` (calibrated acceptance of its drafted slots) and
         # `typical` (its typical block's on as many slots) over every block it drafted.
         online = dict(hits=0.0, expected=0.0, sure=0.0, typical=0.0)
-        return dict(seq=[lk.new_state() for lk in self.lookups], model=self.model.new_state(), source=[],
+        return dict(seq=[lk.new_state() for lk in self.lookups], model=self.model and self.model.new_state(), source=[],
                     online=online, pending=None, ran=False, first=None)
 
     def priced_at(self, anchor_pos: int) -> None:
@@ -135,7 +143,7 @@ class _Proposers:
         alone: judging every round cost the 4K-8K turns' copies 3.5% (modelled from the
         rounds, stop 52) for verdicts that rarely changed them."""
         tokens = [b for b in branches if b.source != "model"]
-        if not any(self.calibration.judged(b.source) for b in tokens):
+        if self.model is None or not any(self.calibration.judged(b.source) for b in tokens):
             return False
         return token_strength(self.calibration, tokens) < STRENGTH_EDGES[-1]
 
@@ -210,6 +218,8 @@ class _Proposers:
         are none, so beats a plain target step (a drafter whose best block is empty is
         not worth its draft time). Reads deterministic proposals, the calibration and
         past rounds only, so the choice never depends on a draw (exact at T > 0)."""
+        if self.model is None:
+            return False
         if not self.skip_model:
             return True
         floor = self.cost.value(0.0, 0) if token_value is None else token_value
@@ -230,7 +240,7 @@ class _Proposers:
                 lk.finish(seq, new_tokens)
 
     def cache_bytes(self, state) -> int:
-        return self.model.cache_bytes(state["model"]) + sum(
+        return (self.model.cache_bytes(state["model"]) if self.model is not None else 0) + sum(
             lk.cache_bytes(seq) for lk, seq in zip(self.lookups, state["seq"]))
 
 

@@ -6,7 +6,8 @@ is >= `eval.hybrid_min_match` tokens, else the drafter's block; `hybrid_*_choose
 proposal with the most expected tokens per unit of verification cost; `hybrid_*_tree`:
 all verified as one token tree of at most `eval.tree_budget` tokens -- see
 `dlite.decoding.hybrid`; `hybrid_lookup_suffix_*`: both token drafters beside the
-learned one). The choose / tree hybrids score proposals with a
+learned one; `hybrid_free_*`: both without it -- the same rules, no learned drafter to
+run or pair with). The choose / tree hybrids score proposals with a
 `Calibration` (fitted on validation turns by the evaluation, else the defaults) and the
 verify-cost curve measured with the calibration (`eval.measure_verify_cost`), else
 `eval.verify_cost_tokens` -> `eval.verify_cost`.
@@ -23,7 +24,7 @@ static draft vocabulary | the prompt's tokens, `dlite.decoding.context_vocab`), 
 import functools
 from typing import Callable, Dict, Optional
 
-from dlite.config_schema import HYBRIDS
+from dlite.config_schema import FREE_HYBRIDS, HYBRIDS
 from dlite.decoding.calibrate import cost_curve
 from dlite.decoding.calibration import Calibration
 from dlite.decoding.context_vocab import ContextVocab
@@ -123,9 +124,10 @@ def method_builders(ev, learned: Dict[str, object], vocab_size: int,
     for name in ev.baselines:
         out[name] = functools.partial(_TOKEN_DRAFTERS[name], ev, vocab_size, gamma)
     for name in ev.hybrids:
-        if primary is None:
+        model = None if name in FREE_HYBRIDS else primary
+        if model is None and name not in FREE_HYBRIDS:
             raise ValueError(f"eval.hybrids: {name} needs a learned drafter to pair with")
         makers, one = [_TOKEN_DRAFTERS[m] for m in HYBRIDS[name]], hybrid_maker(ev, name, calibration)
-        out[name] = lambda makers=makers, one=one: _hybrid(primary, [m(ev, vocab_size, hybrid_gamma)
-                                                                     for m in makers], one)
+        out[name] = lambda makers=makers, one=one, model=model: _hybrid(
+            model, [m(ev, vocab_size, hybrid_gamma) for m in makers], one)
     return out

@@ -234,6 +234,31 @@ def hybrid_vs_best(methods: Dict[str, dict]) -> Dict[str, dict]:
     return out
 
 
+def learned_over_free(methods: Dict[str, dict]) -> Dict[str, dict]:
+    """Per hybrid with the learned drafter whose training-free twin ran beside it
+    (`hybrid_lookup_suffix_<rule>` and `hybrid_free_<rule>`: the same token drafters and
+    rule, no learned drafter): its tau, speedup and decode rate on the same timed tasks
+    over the twin's, overall and per bucket (the rate with its paired bootstrap
+    interval) -- what the learned drafter adds to the hybrid, > 1 where it pays its
+    draft time."""
+    out = {}
+    for free in (n for n in methods if n.startswith("hybrid_free_")):
+        h = "hybrid_lookup_suffix_" + free[len("hybrid_free_"):]
+        if h not in methods:
+            continue
+        row = {}
+        for metric, key in (("tau", "tau"), ("speedup", "speedup_vs_ar")):
+            mine = {"all": methods[h].get(key), **(methods[h].get(f"{key}_by_bucket") or {})}
+            theirs = {"all": methods[free].get(key), **(methods[free].get(f"{key}_by_bucket") or {})}
+            row[metric] = {b: _over_best(v, {free: theirs[b]}) for b, v in mine.items()
+                           if v is not None and theirs.get(b) is not None}
+        time = _time_over_best(methods, h, [free])
+        if time:
+            row["time"] = time
+        out[h] = {"free": free, **row}
+    return out
+
+
 def _time_over_best(methods: Dict[str, dict], h: str, single: List[str]) -> dict:
     """The hybrid's decode tokens per second over the fastest single method's, on the
     timed tasks every one of them ran (`task_times`), overall and per bucket: the same

@@ -169,7 +169,7 @@ def _method_report(cfg, name: str, parts: list, speed: dict, temperatures: list)
 def evaluate(cfg, drafters: Dict[str, str]) -> dict:
     """Acceptance over workers, then speed on one; the report of every drafter."""
     from dlite import target as tgt
-    from dlite.decoding.metrics import hybrid_vs_best
+    from dlite.decoding.metrics import hybrid_vs_best, learned_over_free
     from dlite.decoding.ties import lossless_rule
     from dlite.envinfo import env_info
     if not drafters:
@@ -221,6 +221,7 @@ def evaluate(cfg, drafters: Dict[str, str]) -> dict:
             "n_trajectories": len(records), "heldout": heldout, "target_fingerprint": tgt.fingerprint(cfg.target),
             "calibration": calibration, **({"throughput": throughput} if throughput else {}),
             **({"hybrid_vs_best": hybrid_vs_best(methods)} if cfg.eval.hybrids else {}),
+            **({"learned_over_free": over_free} if (over_free := learned_over_free(methods)) else {}),
             "config": conf, "env": env_info()}
 
 
@@ -304,6 +305,10 @@ def metric_items(report: dict) -> dict:
         for bound in ("lower_bound", "upper_bound"):  # the decode-time ratio's bootstrap interval
             out.update({f"{h}.over_best.time_{bound}.{metric_label(b)}": f[bound]
                         for b, f in (row.get("time") or {}).items() if f.get(bound) is not None})
+    for h, row in (report.get("learned_over_free") or {}).items():  # what the learned drafter adds
+        for metric in ("tau", "speedup", "time"):
+            out.update({f"{h}.over_free.{metric}.{metric_label(b)}": f["ratio"]
+                        for b, f in (row.get(metric) or {}).items() if f["ratio"] is not None})
     if report.get("throughput"):
         from pipelines.stages.evaluate_throughput import metric_items as throughput_items
         out.update(throughput_items(report["throughput"], "throughput."))

@@ -5,7 +5,7 @@ DLite with SuffixDecoding: one Ray evaluation of all on the same prompts, greedy
 token identical to plain decoding over multi-turn trajectories, the report's DLITE.md §4
 metrics per method, plots, and an `evaluate` run on a real MLflow server; and the
 throughput benchmark batching every hybrid (choose and tree) after fitting their
-calibration."""
+calibration; the training-free choose hybrid beside the learned one (`learned_over_free`)."""
 
 import json
 import subprocess
@@ -46,13 +46,13 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
                         "eval.n_trajectories=2", "eval.max_turns=3", "eval.max_new_tokens=24",
                         "eval.temperatures=[0.0,1.0]", "eval.speed_trajectories=1",
                         "eval.baselines=[prompt_lookup,suffix]",
-                        "eval.hybrids=[hybrid_suffix,hybrid_lookup_suffix_choose,hybrid_lookup_suffix_tree]",
+                        "eval.hybrids=[hybrid_suffix,hybrid_lookup_suffix_choose,hybrid_lookup_suffix_tree,hybrid_free_choose]",
                         "eval.concurrency=[1,3]", "eval.concurrency_requests=5",
                         f"tracking.uri={mlflow_server}", "tracking.experiment=evaluate-cli"],
                        cwd=repo_root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rep = json.loads(out.read_text())
-    hybrids = ["hybrid_suffix", "hybrid_lookup_suffix_choose", "hybrid_lookup_suffix_tree"]
+    hybrids = ["hybrid_suffix", "hybrid_lookup_suffix_choose", "hybrid_lookup_suffix_tree", "hybrid_free_choose"]
     assert list(rep["methods"]) == ["dlite", "baseline", "prompt_lookup", "suffix", *hybrids]
     assert rep["primary"] == "dlite" and rep["methods"]["suffix"]["drafter"] is None
     for m in rep["methods"].values():
@@ -91,6 +91,14 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
         assert 0 < row["time"]["all"]["lower_bound"] <= row["time"]["all"]["upper_bound"]
         assert isinstance(row["time_behind"], list)
     assert len(rep["methods"]["dlite"]["task_times"]) == rep["methods"]["dlite"]["speed_tasks"] == 3
+    # The training-free twin (lookup + suffix, the same choice, no learned drafter) never
+    # runs DLite; the learned hybrid over it is what DLite adds, on the same timed turns.
+    assert rep["methods"]["hybrid_free_choose"]["model_ran_share"] == 0
+    assert "model" not in (rep["methods"]["hybrid_free_choose"]["by_source"] or {})
+    free = rep["learned_over_free"]["hybrid_lookup_suffix_choose"]
+    assert free["free"] == "hybrid_free_choose" and free["tau"]["all"]["ratio"] == pytest.approx(
+        rep["methods"]["hybrid_lookup_suffix_choose"]["tau"] / rep["methods"]["hybrid_free_choose"]["tau"], abs=1e-4)
+    assert free["time"]["all"]["ratio"] > 0 and set(rep["learned_over_free"]) == {"hybrid_lookup_suffix_choose"}
     # The tree's rounds say whether the calibration fitted on validation turns holds on
     # the reported ones: per source, the slots its branches reached, predicted and seen.
     rel = rep["methods"]["hybrid_lookup_suffix_tree"]["calibration_reliability"]
@@ -132,6 +140,7 @@ def test_evaluate_two_drafters_on_ray(repo_root, tmp_path, tiny_cfg, mlflow_serv
         rel["all"][src]["all"]["ratio"])
     assert run.data.metrics["hybrid_lookup_suffix_choose.over_best.time_lower_bound.all"] == pytest.approx(
         rep["hybrid_vs_best"]["hybrid_lookup_suffix_choose"]["time"]["all"]["lower_bound"])
+    assert run.data.metrics["hybrid_lookup_suffix_choose.over_free.tau.all"] == pytest.approx(free["tau"]["all"]["ratio"])
     assert run.data.metrics["throughput.dlite.c3.tau"] == pytest.approx(tp["methods"]["dlite"]["3"]["tau"])
     arts = {a.path for a in c.list_artifacts(run.info.run_id, "evaluation")}
     assert {"evaluation/report.json", "evaluation/accept_at_k.png", "evaluation/tau_by_bucket.png"} <= arts

@@ -54,14 +54,15 @@ class FeatureChecked(TargetAsDrafter):
         return super().draft(state, feats, anchor_id, anchor_pos, temperature, generator)
 
 
-def tree_hybrid(target):
-    """A tree hybrid (prompt lookup + SuffixDecoding + DLite) rated so that every
-    proposer's branch is verified: real trees of several branches in every row."""
+def tree_hybrid(target, learned: bool = True):
+    """A tree hybrid (prompt lookup + SuffixDecoding + DLite; without DLite: the
+    training-free `hybrid_free_tree`) rated so that every proposer's branch is
+    verified: real trees of several branches in every row."""
     from dlite.decoding.calibration import BinnedMap, Calibration
     from dlite.decoding.hybrid import TreeHybrid
     from dlite.decoding.lookup import PromptLookupDrafter
     from dlite.decoding.suffix import SuffixDecoding
-    model = dlite_drafter(target, list(range(128)))
+    model = dlite_drafter(target, list(range(128))) if learned else None
     rated = Calibration({"model": BinnedMap((0.0,), [0.9, 0.9], [0, 0]),
                          "lookup": BinnedMap((2,), [0.9, 0.9], [0, 0])})
     sx = SuffixDecoding(128, gamma=GAMMA)
@@ -76,6 +77,7 @@ MAKERS = {
     "dlite": lambda t: dlite_drafter(t, list(range(128))),
     "dspark": lambda t: dspark_drafter(t),
     "tree_hybrid": tree_hybrid,
+    "free_tree_hybrid": lambda t: tree_hybrid(t, learned=False),
 }
 
 

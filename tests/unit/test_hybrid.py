@@ -418,7 +418,7 @@ def test_timed_replay_runs_every_new_hybrid(tokenizer):
     from dlite.decoding.replay import aggregate, replay_methods
     tm = tiny_target(vocab=len(tokenizer))
     drafter = dlite_drafter(tm, list(range(len(tokenizer))), gamma=4)
-    names = ["hybrid_lookup_tree", "hybrid_lookup_choose"]
+    names = ["hybrid_lookup_tree", "hybrid_lookup_choose", "hybrid_free_choose", "hybrid_free_tree"]
     ev = OmegaConf.structured(EvalConfig(max_new_tokens=8, hybrids=names))
     raw, a = replay_methods(tm, tokenizer, method_builders(ev, {"dlite": drafter}, len(tokenizer)),
                             [TRAJ], ev, [0.0], timed=True)
@@ -728,3 +728,61 @@ def test_siblings_share_their_parents_chance(model):
     three = [Branch([5, 6, 7], None, "lookup", [3.0] * 3), Branch([9, 4, 2], None, "suffix", [0.9] * 3)]
     assert TreeHybrid(model, _lookup(REPEAT), cal)._allocate(three, False)[0] == [3, 2]
     assert TreeHybrid(model, _lookup(REPEAT), cal, exclusive=False)._allocate(three, False)[0] == [3, 3]
+
+
+@pytest.mark.parametrize("kind", ["choose", "tree"])
+def test_a_hybrid_without_a_learned_drafter_is_lossless_and_never_drafts(target, kind):
+    """`hybrid_free_*`: the same rules over the token drafters alone -- plain greedy's
+    output, no round from a learned drafter, no target features asked for, and even a
+    calibration that judges token proposals by the learned drafter scores them
+    without it (there is none to ask)."""
+    ref, _ = plain_generate(target, REPEAT, 30)
+    make = ChooseHybrid if kind == "choose" else TreeHybrid
+    for cal in (None, _judged(0.99, 0.5)):
+        drafter = make(None, [_lookup(REPEAT), SuffixDecoding(V, gamma=4)(REPEAT)], cal)
+        assert drafter.target_layer_ids == [] and drafter.gamma == 4
+        out, rounds = speculative_generate(target, drafter, REPEAT, 30)
+        assert out == ref
+        assert {r["source"] for r in rounds} <= {"lookup", "suffix", "none", "shared"}
+        assert any(r["source"] in ("lookup", "suffix", "shared") for r in rounds)
+        assert not any(r["model_ran"] for r in rounds)
+        assert drafter.cache_bytes(drafter.new_state()) >= 0
+
+
+def test_method_builders_make_the_free_hybrids_with_or_without_a_learned_drafter(model):
+    ev = OmegaConf.structured(EvalConfig(hybrids=["hybrid_free_choose", "hybrid_free_tree"]))
+    for learned in ({"dlite": model}, {}):
+        builders = method_builders(ev, learned, V, Calibration().to_dict())
+        choose, tree = builders["hybrid_free_choose"]()(REPEAT), builders["hybrid_free_tree"]()(REPEAT)
+        assert isinstance(choose, ChooseHybrid) and isinstance(tree, TreeHybrid)
+        assert choose.model is None and tree.model is None
+        assert [type(lk).__name__ for lk in choose.lookups] == ["PromptLookupDrafter", "SuffixDrafter"]
+    ev = OmegaConf.structured(EvalConfig(hybrids=["hybrid_lookup_suffix_choose"]))
+    with pytest.raises(ValueError, match="needs a learned drafter"):
+        method_builders(ev, {}, V)
+
+
+def test_learned_over_free_compares_the_twins_on_the_same_tasks():
+    """What the learned drafter adds: each learned hybrid over its training-free twin
+    (same token drafters, same rule), tau / speedup per bucket and the decode rate on
+    the tasks both timed; a hybrid without its twin in the run gets no row."""
+    from dlite.decoding.metrics import learned_over_free
+
+    def times(*ms):
+        return [{"id": i, "turn": 0, "bucket": b, "tokens": 10, "spec_ms": x}
+                for i, b, x in zip("abcd", ["<1K", "<1K", "1K-4K", "1K-4K"], ms)]
+    m = {"suffix": {"tau": 2.0, "speedup_vs_ar": 1.5, "task_times": times(100.0, 100.0, 100.0, 100.0)},
+         "hybrid_lookup_suffix_choose": {"tau": 3.0, "speedup_vs_ar": 2.2, "tau_by_bucket": {"<1K": 2.0, "1K-4K": 4.0},
+                                         "task_times": times(50.0, 50.0, 100.0, 100.0)},
+         "hybrid_free_choose": {"tau": 2.5, "speedup_vs_ar": 2.0, "tau_by_bucket": {"<1K": 1.6, "1K-4K": 4.0},
+                                "task_times": times(100.0, 100.0, 80.0, 80.0)},
+         "hybrid_lookup_suffix_tree": {"tau": 3.0, "speedup_vs_ar": 2.0}}
+    out = learned_over_free(m)
+    assert set(out) == {"hybrid_lookup_suffix_choose"}
+    row = out["hybrid_lookup_suffix_choose"]
+    assert row["free"] == "hybrid_free_choose"
+    assert row["tau"]["all"]["ratio"] == 1.2 and row["tau"]["<1K"]["ratio"] == 1.25
+    assert row["tau"]["1K-4K"]["ratio"] == 1.0 and row["speedup"]["all"]["ratio"] == 1.1
+    assert row["time"]["<1K"]["ratio"] == 2.0 and row["time"]["1K-4K"]["ratio"] == 0.8
+    assert row["time"]["all"]["ratio"] == pytest.approx(360 / 300, abs=1e-4)
+    assert learned_over_free({k: v for k, v in m.items() if k != "hybrid_free_choose"}) == {}
