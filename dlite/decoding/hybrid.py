@@ -92,7 +92,8 @@ class _Proposers:
         # verified blocks; `sure` (calibrated acceptance of its drafted slots) and
         # `typical` (its typical block's on as many slots) over every block it drafted.
         online = dict(hits=0.0, expected=0.0, sure=0.0, typical=0.0)
-        return dict(seq=[lk.new_state() for lk in self.lookups], model=self.model and self.model.new_state(), source=[],
+        model = self.model.new_state() if self.model is not None else None
+        return dict(seq=[lk.new_state() for lk in self.lookups], model=model, source=[],
                     online=online, pending=None, ran=False, first=None)
 
     def priced_at(self, anchor_pos: int) -> None:
