@@ -250,13 +250,20 @@ def learned_over_free(methods: Dict[str, dict]) -> Dict[str, dict]:
         for metric, key in (("tau", "tau"), ("speedup", "speedup_vs_ar")):
             mine = {"all": methods[h].get(key), **(methods[h].get(f"{key}_by_bucket") or {})}
             theirs = {"all": methods[free].get(key), **(methods[free].get(f"{key}_by_bucket") or {})}
-            row[metric] = {b: _over_best(v, {free: theirs[b]}) for b, v in mine.items()
+            row[metric] = {b: _over_twin(_over_best(v, {free: theirs[b]})) for b, v in mine.items()
                            if v is not None and theirs.get(b) is not None}
-        time = _time_over_best(methods, h, [free])
+        time = {b: _over_twin(f) for b, f in _time_over_best(methods, h, [free]).items()}
         if time:
             row["time"] = time
         out[h] = {"free": free, **row}
     return out
+
+
+def _over_twin(f: dict) -> dict:
+    """An `_over_best` figure against the one twin: its value named `free_value`."""
+    f = {k: v for k, v in f.items() if k != "best"}
+    f["free_value"] = f.pop("best_value")
+    return f
 
 
 def _time_over_best(methods: Dict[str, dict], h: str, single: List[str]) -> dict:

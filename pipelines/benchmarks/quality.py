@@ -35,6 +35,7 @@ from pipelines.benchmarks.settings import bench_config, ratio  # noqa: F401 (the
 
 def compare(report: dict, window: int) -> dict:
     """Ratios and goals from the evaluation report (greedy figures)."""
+    from dlite.decoding.metrics import learned_over_free
     m = report["methods"]
     dl, ds, nt = m.get("dlite"), m.get("dspark"), m.get("dlite_no_teacher")
     labels = [b for b in dl["bucket_labels"] if b in dl["tau_by_bucket"]]
@@ -60,6 +61,7 @@ def compare(report: dict, window: int) -> dict:
         "draft_over_target_step": {n: draft_over_step(r) for n, r in m.items()},
         "draft_vocab_coverage": {n: r.get("draft_vocab_coverage") for n, r in m.items()},
         **hybrid_goals(m),
+        **({"learned_over_free": free} if (free := learned_over_free(m)) else {}),
     }
 
 

@@ -781,8 +781,18 @@ def test_learned_over_free_compares_the_twins_on_the_same_tasks():
     assert set(out) == {"hybrid_lookup_suffix_choose"}
     row = out["hybrid_lookup_suffix_choose"]
     assert row["free"] == "hybrid_free_choose"
-    assert row["tau"]["all"]["ratio"] == 1.2 and row["tau"]["<1K"]["ratio"] == 1.25
+    assert row["tau"]["all"] == {"ratio": 1.2, "value": 3.0, "free_value": 2.5} and row["tau"]["<1K"]["ratio"] == 1.25
     assert row["tau"]["1K-4K"]["ratio"] == 1.0 and row["speedup"]["all"]["ratio"] == 1.1
     assert row["time"]["<1K"]["ratio"] == 2.0 and row["time"]["1K-4K"]["ratio"] == 0.8
     assert row["time"]["all"]["ratio"] == pytest.approx(360 / 300, abs=1e-4)
     assert learned_over_free({k: v for k, v in m.items() if k != "hybrid_free_choose"}) == {}
+    # The quality benchmark's comparison carries it too (only where a twin ran).
+    from pipelines.benchmarks.quality import compare
+    figs = {"tau_by_bucket": {"<1K": 2.0}, "bucket_labels": ["<1K"], "settings": {"buckets": [1024]},
+            "draft_ms_by_bucket": {}, "draft_cache_bytes_by_bucket": {}, "speedup_vs_ar_by_bucket": {}}
+    rep = {"methods": {"dlite": {**figs, "tau": 2.0, "speedup_vs_ar": 1.2},
+                       "dspark": {**figs, "tau": 1.5, "speedup_vs_ar": 1.0},
+                       **{k: {**figs, **v} for k, v in m.items() if k.startswith("hybrid_")}}}
+    assert compare(rep, 1536)["learned_over_free"] == learned_over_free(rep["methods"])
+    del rep["methods"]["hybrid_free_choose"]
+    assert "learned_over_free" not in compare(rep, 1536)
